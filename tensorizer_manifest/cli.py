@@ -1,0 +1,120 @@
+"""``tensorizer-manifest``: save, inspect, schema, demo.
+
+Known errors become one red line and exit code 1 (2 for usage errors, as
+click does); never a traceback. torch and vLLM are imported only by the
+commands that need them, so ``inspect`` and ``schema`` answer at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .errors import TensorizerManifestError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Self-describing vLLM tensorizer checkpoints: save, inspect, load with load_format='tensorizer_manifest'.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(exc: BaseException) -> None:
+    err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def inspect(
+    path: Path = typer.Argument(..., help="A checkpoint directory or a *.manifest.json file."),
+    json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state."""
+    from .inspect import as_json, load_manifest, render
+
+    try:
+        manifest, manifest_path = load_manifest(path)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    if json:
+        sys.stdout.buffer.write(as_json(manifest) + b"\n")
+    else:
+        render(manifest, str(manifest_path), console)
+
+
+@app.command()
+def schema() -> None:
+    """Print the manifest's JSON Schema (generated from the types)."""
+    import msgspec
+
+    from .schema import json_schema
+
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
+
+
+@app.command()
+def save(
+    src: str = typer.Argument(..., help="Anything vLLM accepts as a model; a local directory needs no network."),
+    out: Path = typer.Argument(..., help="Output directory: config, tokenizer, *.tensors and *.manifest.json."),
+    dtype: str = typer.Option("auto", help="Model dtype, as vLLM's --dtype."),
+    quantization: Optional[str] = typer.Option(None, help="As vLLM's --quantization."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp"),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp"),
+    max_model_len: Optional[int] = typer.Option(None),
+    revision: Optional[str] = typer.Option(None),
+    trust_remote_code: bool = typer.Option(False),
+    cpu_gemm: str = typer.Option("auto", help="CPU only: 'fallback' keeps linear weights so those layers save processed."),
+) -> None:
+    """Load SRC with vLLM, observe its post-load step, and write a self-describing checkpoint to OUT."""
+    from pydantic import ValidationError
+
+    from .save import save_checkpoint
+
+    try:
+        result = save_checkpoint(
+            src, out, dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, max_model_len=max_model_len, revision=revision,
+            trust_remote_code=trust_remote_code, cpu_gemm=cpu_gemm,
+        )
+    except ValidationError as exc:
+        err_console.print(f"[red]error:[/red] invalid option: {exc}")
+        raise typer.Exit(2)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    for rank in result.ranks:
+        console.print(
+            f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "
+            f"{rank['raw_layers']} raw) and {Path(rank['manifest']).name}"
+        )
+    console.print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    console.print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+
+
+@app.command()
+def demo(
+    work_dir: Path = typer.Option(Path(".cache/demo"), help="Where the tiny model and checkpoint are kept (cached)."),
+    kind: str = typer.Option("llama", help="Tiny model: llama, qwen3-tied or w8a8-int8."),
+    max_tokens: int = typer.Option(16),
+) -> None:
+    """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
+    from .demo import run_demo
+
+    try:
+        ok = run_demo(work_dir, kind, max_tokens, console)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    raise typer.Exit(0 if ok else 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The main job on the embedded default: tiny model -> save with manifest -> inspect -> load -> compare."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .tiny import DEMO_PROMPTS, build_tiny_model
+
+
+def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, **engine: Any):
+    """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start."""
+    from vllm import LLM, SamplingParams
+
+    from .save import shutdown
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        load_format=load_format,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=1,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+        **engine,
+    )
+    startup = time.perf_counter() - started
+    try:
+        outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        prompt_lengths = [len(o.prompt_token_ids) for o in outputs]
+    finally:
+        shutdown(llm)
+    return tokens, prompt_lengths, startup
+
+
+def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
+    from .inspect import load_manifest, render
+    from .save import save_checkpoint
+
+    work_dir = Path(work_dir).resolve()
+    t0 = time.perf_counter()
+    model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
+    console.rule(f"1. tiny {kind} model at {model_dir} ({time.perf_counter() - t0:.1f}s, cached)")
+
+    ref_tokens, prompt_lengths, ref_start = generate_tokens(model_dir, "auto", max_tokens)
+    console.rule(f"2. vLLM default loader (safetensors): engine up in {ref_start:.1f}s")
+
+    out_dir = work_dir / f"tiny-{kind}-tensorized"
+    t0 = time.perf_counter()
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128)
+    console.rule(f"3. saved with a manifest to {out_dir} in {time.perf_counter() - t0:.1f}s")
+
+    manifest, manifest_path = load_manifest(out_dir)
+    render(manifest, str(manifest_path), console)
+
+    tm_tokens, _, tm_start = generate_tokens(out_dir, "tensorizer_manifest", max_tokens)
+    console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
+
+    ok = tm_tokens == ref_tokens
+    for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens)):
+        mark = "[green]match[/green]" if ref == got else "[red]DIFFER[/red]"
+        console.print(f"prompt {i} ({prompt_len} tokens): {mark}\n  default : {ref}\n  manifest: {got}")
+    console.rule("[green]token-for-token identical to vLLM's default loader[/green]" if ok else "[red]tokens differ[/red]")
+    return ok

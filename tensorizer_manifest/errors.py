@@ -1,0 +1,68 @@
+"""One exception hierarchy for everything tensorizer_manifest raises on purpose.
+
+    TensorizerManifestError
+    ├── ManifestError (ValueError)            the manifest itself is unreadable or malformed
+    │   └── ManifestVersionError               written by a newer format version
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    ├── IntegrityError (ValueError)            tensor file and manifest disagree (size, hash, records)
+    ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
+    ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
+    └── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
+
+Each class also inherits the builtin it refines (as huggingface_hub does), so
+callers that only know builtins still catch them. Messages say what is wrong
+and what to do; the CLI prints them as one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class TensorizerManifestError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ManifestError(TensorizerManifestError, ValueError):
+    """The manifest is not valid JSON, or does not match the schema."""
+
+
+class ManifestVersionError(ManifestError):
+    """The manifest was written by a format version this package cannot read."""
+
+
+class CheckpointNotFoundError(TensorizerManifestError, FileNotFoundError):
+    """A checkpoint directory, manifest or tensor file is missing."""
+
+
+class IntegrityError(TensorizerManifestError, ValueError):
+    """The tensor file does not match what the manifest says it holds."""
+
+
+class CompatibilityError(TensorizerManifestError, ValueError):
+    """The loading engine differs from the saving engine in a way that matters.
+
+    ``differences`` lists ``(field, saved, current)`` for every mismatch.
+    """
+
+    def __init__(self, message: str, differences: list[tuple[str, object, object]] | None = None):
+        super().__init__(message)
+        self.differences = differences or []
+
+
+class UnsupportedModelError(TensorizerManifestError, NotImplementedError):
+    """The model does something at load time that the manifest cannot describe."""
+
+
+class ReplayError(TensorizerManifestError, RuntimeError):
+    """Rebuilding a layer's runtime state failed, or left it incomplete."""
+
+
+__all__ = [
+    "TensorizerManifestError",
+    "ManifestError",
+    "ManifestVersionError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "CompatibilityError",
+    "UnsupportedModelError",
+    "ReplayError",
+]

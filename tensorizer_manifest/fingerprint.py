@@ -1,0 +1,134 @@
+"""What the saving engine was, and what the loading engine must share with it.
+
+The field list follows vLLM's own ``WeightCacheKey`` (the Fast Start cache key)
+plus torch and tensorizer versions and the device. The policy is written per
+field, because not every difference matters equally:
+
+- ``EXACT`` fields decide the shape or meaning of every saved tensor
+  (architecture, dtype, quantization, parallel layout): any difference is refused.
+- ``PROCESSED_ONLY`` fields decide the *format* of processed tensors (the vLLM
+  version and device decide which kernel repacked them). They must match when
+  the checkpoint holds a processed layer whose replay depends on a kernel;
+  raw layers run vLLM's own post-load step on the loading engine, so they
+  tolerate a different kernel.
+- ``INFORMATIONAL`` fields are recorded for people and ``diff``, never refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from .errors import CompatibilityError
+from .schema import Fingerprint, Manifest
+
+EXACT = (
+    "architectures",
+    "model_class",
+    "dtype",
+    "quantization",
+    "quant_config_hash",
+    "kv_cache_dtype",
+    "tensor_parallel_size",
+    "tensor_parallel_rank",
+    "pipeline_parallel_size",
+    "pipeline_parallel_rank",
+)
+PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability")
+INFORMATIONAL = ("torch_version", "tensorizer_version", "data_parallel_size", "cpu_onednn")
+
+
+def _quant_config_hash(model_config: Any) -> str | None:
+    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
+    if quant_cfg is None and model_config.quantization is None:
+        return None
+    try:
+        from vllm.model_executor.model_loader.weight_cache.protocol import _hash_quant_config
+
+        return _hash_quant_config(
+            quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config
+        )
+    except ImportError:  # pragma: no cover - older vLLM
+        blob = json.dumps(quant_cfg, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def engine_fingerprint(vllm_config: Any, model_class: str) -> Fingerprint:
+    """Fingerprint of the engine in this process. Call before weights are processed."""
+    import tensorizer
+    import torch
+    import vllm
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    pp_rank = parallel_state.get_pp_group().rank_in_group if parallel_state.model_parallel_is_initialized() else 0
+    capability = None
+    try:
+        cap = current_platform.get_device_capability()
+        capability = None if cap is None else f"{cap.major}.{cap.minor}"
+    except Exception:  # CPU platforms may not define one
+        capability = None
+    cpu_onednn = None
+    if current_platform.is_cpu():
+        from vllm import _custom_ops
+
+        cpu_onednn = bool(getattr(_custom_ops, "_supports_onednn", False))
+    return Fingerprint(
+        vllm_version=vllm.__version__,
+        torch_version=torch.__version__,
+        tensorizer_version=getattr(tensorizer, "__version__", "unknown"),
+        architectures=list(getattr(model_config.hf_config, "architectures", None) or []),
+        model_class=model_class,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=model_config.quantization,
+        quant_config_hash=_quant_config_hash(model_config),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        tensor_parallel_rank=tp_rank,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        pipeline_parallel_rank=pp_rank,
+        data_parallel_size=parallel.data_parallel_size,
+        device_type=str(vllm_config.device_config.device_type),
+        device_capability=capability,
+        cpu_onednn=cpu_onednn,
+    )
+
+
+def needs_same_kernels(manifest: Manifest) -> bool:
+    """True when a processed layer's tensors are in a kernel-specific form."""
+    from .replay import RESTORERS
+
+    for module in manifest.modules:
+        if module.state == "processed" and module.replay not in ("none",):
+            restorer = RESTORERS.get(module.replay)
+            if restorer is None or not restorer.kernel_independent:
+                return True
+    return False
+
+
+def compare(saved: Fingerprint, current: Fingerprint, manifest: Manifest) -> list[tuple[str, object, object]]:
+    """Every field that differs and matters under the policy above."""
+    fields = list(EXACT)
+    if needs_same_kernels(manifest):
+        fields += list(PROCESSED_ONLY)
+    return [
+        (name, getattr(saved, name), getattr(current, name))
+        for name in fields
+        if getattr(saved, name) != getattr(current, name)
+    ]
+
+
+def check_compatible(saved: Fingerprint, current: Fingerprint, manifest: Manifest, source: str) -> None:
+    differences = compare(saved, current, manifest)
+    if differences:
+        lines = "; ".join(f"{name}: saved {a!r}, this engine {b!r}" for name, a, b in differences)
+        raise CompatibilityError(
+            f"{source}: this checkpoint was saved by a different engine configuration ({lines}). "
+            "Start vLLM with the saved settings, or re-save the checkpoint with "
+            "`tensorizer-manifest save` on this engine.",
+            differences,
+        )

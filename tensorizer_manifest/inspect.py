@@ -1,0 +1,98 @@
+"""Reading a checkpoint for people: one row per layer, and a summary. No torch, no vLLM."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+
+from .checkpoint import load_manifest  # noqa: F401  (the CLI's entry point)
+from .schema import Manifest, ModuleRecord
+
+def _short(qualified: str | None) -> str:
+    if not qualified:
+        return "-"
+    head, _, rest = qualified.partition("[")
+    name = head.rsplit(".", 1)[-1] if "<lambda>" not in head else head.split(".<locals>")[0].rsplit(".", 1)[-1] + ".<lambda>"
+    return name + (f"[{rest}" if rest else "")
+
+
+def layer_row(module: ModuleRecord) -> dict:
+    stored = [t for t in module.tensors if t.alias_of is None]
+    return {
+        "path": module.path or "<root>",
+        "module_class": _short(module.module_class),
+        "quant_method": _short(module.quant_method),
+        "kernels": [f"{k.attr}={_short(k.kernel_class)}" for k in module.kernels],
+        "state": module.state,
+        "replay": module.replay,
+        "tensors": len(module.tensors),
+        "aliases": len(module.tensors) - len(stored),
+        "bytes": sum(t.nbytes for t in stored),
+        "runtime_state": [f"{a.owner}.{a.name}" if a.owner != "layer" else a.name for a in module.runtime_state],
+    }
+
+
+def summary(manifest: Manifest) -> dict:
+    states = Counter(m.state for m in manifest.modules)
+    replays = Counter(m.replay for m in manifest.modules)
+    fp = manifest.fingerprint
+    return {
+        "format_version": manifest.format_version,
+        "producer": manifest.producer,
+        "model_class": _short(fp.model_class),
+        "dtype": fp.dtype,
+        "quantization": fp.quantization,
+        "tensor_parallel": f"{fp.tensor_parallel_rank}/{fp.tensor_parallel_size}",
+        "pipeline_parallel": f"{fp.pipeline_parallel_rank}/{fp.pipeline_parallel_size}",
+        "device": fp.device_type + (f" {fp.device_capability}" if fp.device_capability else ""),
+        "vllm_version": fp.vllm_version,
+        "torch_version": fp.torch_version,
+        "tensorizer_version": fp.tensorizer_version,
+        "tensor_file": manifest.tensor_file.path,
+        "tensor_file_bytes": manifest.tensor_file.size,
+        "tensors_stored": manifest.tensor_file.tensor_count,
+        "layers": len(manifest.modules),
+        "raw_layers": states.get("raw", 0),
+        "processed_layers": states.get("processed", 0),
+        "replay": dict(sorted(replays.items())),
+    }
+
+
+def as_json(manifest: Manifest) -> bytes:
+    doc = {"summary": summary(manifest), "layers": [layer_row(m) for m in manifest.modules]}
+    return msgspec.json.format(msgspec.json.encode(doc), indent=2)
+
+
+def render(manifest: Manifest, source: str, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{source}", show_lines=False, header_style="bold")
+    for column in ("layer", "class", "quant method", "kernel", "state", "replay", "tensors", "bytes", "runtime state"):
+        table.add_column(column, overflow="fold")
+    for module in manifest.modules:
+        row = layer_row(module)
+        table.add_row(
+            row["path"],
+            row["module_class"],
+            row["quant_method"],
+            "\n".join(row["kernels"]) or "-",
+            "[yellow]raw[/yellow]" if row["state"] == "raw" else "[green]processed[/green]",
+            row["replay"],
+            f"{row['tensors']}" + (f" ({row['aliases']} tied)" if row["aliases"] else ""),
+            f"{row['bytes']:,}",
+            ", ".join(row["runtime_state"]) or "-",
+        )
+    console.print(table)
+    s = summary(manifest)
+    console.print(
+        f"[bold]{s['model_class']}[/bold] {s['dtype']}"
+        f"{' ' + s['quantization'] if s['quantization'] else ''}, TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
+        f"{s['device']}; vLLM {s['vllm_version']}, torch {s['torch_version']}, tensorizer {s['tensorizer_version']}"
+    )
+    console.print(
+        f"{s['layers']} layers: {s['processed_layers']} processed, {s['raw_layers']} raw; "
+        f"{s['tensors_stored']} tensors, {s['tensor_file_bytes']:,} bytes in {s['tensor_file']}; "
+        f"format v{s['format_version']} by {s['producer']}"
+    )

@@ -1,0 +1,199 @@
+"""Load side: read the manifest, check it against a freshly built model, restore tensors exactly.
+
+Everything in ``check_model`` runs before a byte of weights is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .capture import find_kernels, module_tensors
+from .checkpoint import find_manifest, read_manifest  # noqa: F401  (re-exported for the loader)
+from .errors import CheckpointNotFoundError, CompatibilityError, IntegrityError, ManifestError
+from .schema import Manifest, ModuleRecord, TensorRecord
+from .tensors import (
+    TensorFileReader,
+    check_shape,
+    digest_records,
+    dtype_name,
+    hash_tensor,
+    make_parameter,
+    materialize,
+    qualified_class,
+)
+
+def tensor_file_path(manifest_path: Path, manifest: Manifest) -> Path:
+    """The tensor file, which must be a plain name inside the checkpoint directory."""
+    name = manifest.tensor_file.path
+    if not name or "/" in name or "\\" in name or name in (".", "..") or Path(name).is_absolute():
+        raise ManifestError(f"{manifest_path}: tensor file {name!r} must be a plain file name in the checkpoint directory")
+    path = manifest_path.parent / name
+    if path.is_symlink() and path.resolve().parent != manifest_path.parent.resolve():
+        raise ManifestError(f"{manifest_path}: tensor file {name!r} links outside the checkpoint directory")
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: tensor file named by the manifest is missing")
+    return path
+
+
+def full_name(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def check_offline(manifest: Manifest, manifest_path: Path) -> Path:
+    """Checks that need no model: records, shapes, aliases, digest, file size."""
+    names: set[str] = set()
+    keys: set[str] = set()
+    ordered = []
+    for module in manifest.modules:
+        for record in module.tensors:
+            name = full_name(module.path, record.name)
+            if name in names:
+                raise ManifestError(f"{manifest_path}: tensor {name!r} is recorded twice")
+            names.add(name)
+            check_shape(record, name)
+            if record.key is not None:
+                if record.key in keys:
+                    raise ManifestError(f"{manifest_path}: tensor file key {record.key!r} is used twice")
+                keys.add(record.key)
+            if record.alias_of is not None and record.alias_of not in names:
+                raise ManifestError(f"{manifest_path}: {name!r} is an alias of {record.alias_of!r}, which is not recorded before it")
+            if record.key is None and record.alias_of is None and record.nbytes:
+                raise ManifestError(f"{manifest_path}: {name!r} has data but no tensor file key")
+            ordered.append((name, record))
+    if digest_records(ordered) != manifest.tensor_file.digest:
+        raise IntegrityError(
+            f"{manifest_path}: the tensor records do not match the digest bound to the tensor file; "
+            "the manifest was edited or belongs to another checkpoint"
+        )
+    if len(keys) != manifest.tensor_file.tensor_count:
+        raise IntegrityError(f"{manifest_path}: {len(keys)} stored tensors recorded, tensor file holds {manifest.tensor_file.tensor_count}")
+    tensor_path = tensor_file_path(manifest_path, manifest)
+    size = tensor_path.stat().st_size
+    if size != manifest.tensor_file.size:
+        raise IntegrityError(
+            f"{tensor_path}: {size} bytes, the manifest says {manifest.tensor_file.size}; "
+            "the tensor file is truncated, padded or from another save"
+        )
+    return tensor_path
+
+
+def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
+    """Compare a freshly built model with the manifest, layer by layer, before any weights are read."""
+    from .capture import has_post_load
+
+    records = manifest.module_map()
+    problems: list[tuple[str, object, object]] = []
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
+        if path not in records and (module_tensors(module) or has_post_load(module)):
+            problems.append((f"{path or '<root>'}", "absent from the manifest", type(module).__name__))
+    for path, record in records.items():
+        module = modules.get(path)
+        if module is None:
+            problems.append((path, "recorded in the manifest", "absent from this model"))
+            continue
+        if qualified_class(module) != record.module_class:
+            problems.append((f"{path}.module_class", record.module_class, qualified_class(module)))
+        quant_method = getattr(module, "quant_method", None)
+        current_qm = qualified_class(quant_method) if quant_method is not None else None
+        if current_qm != record.quant_method:
+            problems.append((f"{path}.quant_method", record.quant_method, current_qm))
+        fresh_kernels = {(k.owner, k.attr): k.kernel_class for k in find_kernels(module)}
+        for kernel in record.kernels:
+            now = fresh_kernels.get((kernel.owner, kernel.attr))
+            if now is not None and now != kernel.kernel_class:
+                if record.state == "processed" and record.replay != "none":
+                    problems.append((f"{path}.{kernel.owner}.{kernel.attr}", kernel.kernel_class, now))
+        problems.extend(_check_layer_tensors(path, record, module))
+    if problems:
+        detail = "; ".join(f"{what}: saved {a}, this engine {b}" for what, a, b in problems[:20])
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise CompatibilityError(
+            f"the checkpoint does not match the model this engine builds: {detail}{more}. "
+            "Load it with the engine settings it was saved with, or re-save it on this engine.",
+            problems,
+        )
+
+
+def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Module) -> list[tuple[str, object, object]]:
+    fresh = module_tensors(module)
+    saved = {t.name: t for t in record.tensors}
+    problems: list[tuple[str, object, object]] = []
+    if record.state == "raw":
+        if set(saved) != set(fresh):
+            problems.append((f"{path} tensors", sorted(saved), sorted(fresh)))
+            return problems
+        for name, t in saved.items():
+            tensor = fresh[name][0]
+            if t.dtype != dtype_name(tensor.dtype) or t.shape != list(tensor.shape):
+                problems.append((f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}"))
+    else:
+        unknown = set(saved) - set(fresh)
+        if unknown:
+            problems.append((f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})"))
+    return problems
+
+
+def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True) -> int:
+    """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
+
+    Returns the number of bytes read.
+    """
+    total = 0
+    aliases: list[tuple[torch.nn.Module, TensorRecord, str]] = []
+    for record in manifest.modules:
+        module = model.get_submodule(record.path)
+        for t in record.tensors:
+            name = full_name(record.path, t.name)
+            if t.alias_of is not None:
+                aliases.append((module, t, name))
+                continue
+            data = reader.read(t.key) if t.key is not None else None
+            if data is not None:
+                total += data.numel() * data.element_size()
+                if verify_hashes and hash_tensor(data) != t.hash:
+                    raise IntegrityError(f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged")
+            _assign(module, t, materialize(t, data, name))
+        if record.state == "processed":
+            saved = {t.name for t in record.tensors}
+            for name in list(module_tensors(module)):
+                if name not in saved:
+                    delattr(module, name)
+    for module, t, name in aliases:
+        owner_path, _, attr = t.alias_of.rpartition(".")
+        target = getattr(model.get_submodule(owner_path), attr)
+        if t.dtype != dtype_name(target.dtype) or t.shape != list(target.shape):
+            raise IntegrityError(f"{name!r} is recorded as an alias of {t.alias_of!r} but their dtype or shape differ")
+        _place(module, t, target)
+    return total
+
+
+def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -> None:
+    if record.kind == "parameter":
+        existing = module._parameters.get(record.name)
+        if existing is not None and qualified_class(existing) == record.param_class:
+            existing.data = data
+            existing.requires_grad_(record.requires_grad)
+            tensor: torch.Tensor = existing
+        else:
+            tensor = make_parameter(record, data)
+    else:
+        tensor = data
+    _place(module, record, tensor)
+
+
+def _place(module: torch.nn.Module, record: TensorRecord, tensor: torch.Tensor) -> None:
+    name = record.name
+    module._parameters.pop(name, None)
+    module._buffers.pop(name, None)
+    module.__dict__.pop(name, None)
+    if record.kind == "parameter":
+        module._parameters[name] = tensor  # type: ignore[assignment]
+    else:
+        module._buffers[name] = tensor
+        if record.persistent:
+            module._non_persistent_buffers_set.discard(name)
+        else:
+            module._non_persistent_buffers_set.add(name)

@@ -1,0 +1,141 @@
+"""Save side, from Python: start a vLLM engine that observes its own post-load step, then save.
+
+The counterpart of vLLM's ``save_tensorized_model``. With an engine of your
+own, start it with ``load_format=CAPTURE_LOAD_FORMAT`` and
+``worker_extension_cls=WORKER_EXTENSION`` and call
+``llm.collective_rpc("save_tensorizer_manifest", args=(out_dir,))``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import CAPTURE_LOAD_FORMAT, WORKER_EXTENSION
+from .errors import CheckpointNotFoundError, TensorizerManifestError
+
+
+class SaveOptions(BaseModel):
+    """Engine options a user sets when saving (validated, with readable errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str = "auto"
+    quantization: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int = Field(64 << 20, ge=1 << 20, description="Saving needs almost no KV cache.")
+    revision: str | None = None
+    trust_remote_code: bool = False
+    cpu_gemm: Literal["auto", "fallback"] = Field(
+        "auto",
+        description="On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed.",
+    )
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
+
+
+@dataclass
+class SaveResult:
+    out_dir: Path
+    ranks: list[dict] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
+
+
+def resolve_model_dir(src: str, revision: str | None = None) -> Path:
+    """A local directory for ``src``: itself, or its snapshot in the Hugging Face cache (never downloaded)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(src, revision=revision, local_files_only=True))
+    except Exception as exc:
+        raise CheckpointNotFoundError(
+            f"{src}: not a local directory and not in the Hugging Face cache ({exc.__class__.__name__}); "
+            "download the model first or pass a local path"
+        ) from None
+
+
+def apply_cpu_gemm(mode: str) -> None:
+    """Select vLLM's CPU GEMM path in this process and (through the env) in its workers."""
+    from .vllm_integration import CPU_GEMM_ENV
+
+    if mode == "fallback":
+        os.environ[CPU_GEMM_ENV] = "fallback"
+        from vllm import _custom_ops
+
+        _custom_ops._supports_onednn = False
+
+
+def engine_kwargs(options: SaveOptions) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        dtype=options.dtype,
+        quantization=options.quantization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        max_model_len=options.max_model_len,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        revision=options.revision,
+        trust_remote_code=options.trust_remote_code,
+        enforce_eager=True,
+        max_num_seqs=1,
+    )
+    kwargs.update(options.engine_args)
+    return kwargs
+
+
+def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> SaveResult:
+    """Load ``src`` with vLLM and write a self-describing checkpoint into ``out``.
+
+    ``out`` receives the config and tokenizer files of ``src`` (copied), one
+    ``*.tensors`` file and one ``*.manifest.json`` per rank.
+    """
+    opts = SaveOptions(**options)
+    src_dir = resolve_model_dir(str(src), opts.revision)
+    out_dir = Path(out).expanduser().resolve()
+    if out_dir == src_dir.resolve():
+        raise TensorizerManifestError(f"{out_dir}: the output directory must differ from the source model directory")
+    apply_cpu_gemm(opts.cpu_gemm)
+
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(src_dir),
+        load_format=CAPTURE_LOAD_FORMAT,
+        worker_extension_cls=WORKER_EXTENSION,
+        **engine_kwargs(opts),
+    )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir),))
+    finally:
+        shutdown(llm)
+    from .write import copy_model_files
+
+    copied = copy_model_files(src_dir, out_dir)
+    return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an engine and free its memory, so another can start in this process."""
+    try:
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:  # best effort: nothing to clean when no group was made
+            pass

@@ -1,0 +1,130 @@
+"""Turn a capture into a checkpoint: the tensor file, then the manifest, both renamed into place.
+
+The manifest is written last, so a directory whose manifest exists has a
+complete tensor file beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .capture import Capture
+from .schema import (
+    FORMAT_VERSION,
+    MANIFEST_SUFFIX,
+    TENSORS_SUFFIX,
+    Manifest,
+    ModuleRecord,
+    TensorFileRef,
+    TensorRecord,
+    encode_manifest,
+)
+from .tensors import digest_records, make_record, qualified_class, write_tensor_file
+
+#: Files of a model directory that are weights, not configuration: never copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".msgpack", ".h5", ".ckpt")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def checkpoint_stem(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """``model`` for one rank, ``model-tp{r}-of-{n}`` (and ``-pp``) when sharded."""
+    stem = "model"
+    if tp_size > 1:
+        stem += f"-tp{tp_rank}-of-{tp_size}"
+    if pp_size > 1:
+        stem += f"-pp{pp_rank}-of-{pp_size}"
+    return stem
+
+
+def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
+    """Records for every captured layer, and the (key, tensor) pairs to store."""
+    modules: list[ModuleRecord] = []
+    to_store: list[tuple[str, torch.Tensor]] = []
+    seen: dict[int, str] = {}  # id(tensor) -> full name of the first record holding it
+    ordered: list[tuple[str, TensorRecord]] = []
+    for layer in capture.layers:
+        records: list[TensorRecord] = []
+        for name, slot in layer.tensors.items():
+            full_name = f"{layer.path}.{name}" if layer.path else name
+            alias_of = seen.get(id(slot.tensor))
+            record = make_record(
+                name, slot.tensor, kind=slot.kind, persistent=slot.persistent, key=full_name, alias_of=alias_of
+            )
+            if alias_of is None:
+                seen[id(slot.tensor)] = full_name
+                if record.key is not None:
+                    to_store.append((record.key, slot.tensor))
+            records.append(record)
+            ordered.append((full_name, record))
+        quant_method = getattr(layer.module, "quant_method", None)
+        modules.append(
+            ModuleRecord(
+                path=layer.path,
+                module_class=qualified_class(layer.module),
+                quant_method=qualified_class(quant_method) if quant_method is not None else None,
+                kernels=layer.kernels,
+                state=layer.state,
+                replay=layer.replay,
+                tensors=records,
+                runtime_state=layer.runtime_state,
+            )
+        )
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        producer=f"tensorizer-manifest {__version__}",
+        fingerprint=capture.fingerprint,
+        tensor_file=TensorFileRef(
+            path=tensor_file_name, size=0, tensor_count=len(to_store), digest=digest_records(ordered)
+        ),
+        modules=modules,
+    )
+    return manifest, to_store
+
+
+def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
+    """Write ``<stem>.tensors`` and ``<stem>.manifest.json`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensor_name = stem + TENSORS_SUFFIX
+    manifest, to_store = build_manifest(capture, tensor_name)
+    tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
+    tmp_manifest = out_dir / f".{stem}{MANIFEST_SUFFIX}.{os.getpid()}.tmp"
+    try:
+        write_tensor_file(tmp_tensors, to_store)
+        manifest.tensor_file.size = tmp_tensors.stat().st_size
+        tmp_manifest.write_bytes(encode_manifest(manifest))
+        _fsync(tmp_tensors)
+        _fsync(tmp_manifest)
+        # An older manifest must never describe the new tensor file: drop it first.
+        (out_dir / (stem + MANIFEST_SUFFIX)).unlink(missing_ok=True)
+        os.replace(tmp_tensors, out_dir / tensor_name)
+        os.replace(tmp_manifest, out_dir / (stem + MANIFEST_SUFFIX))
+    finally:
+        tmp_tensors.unlink(missing_ok=True)
+        tmp_manifest.unlink(missing_ok=True)
+    return manifest
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def copy_model_files(src_dir: Path, out_dir: Path) -> list[str]:
+    """Copy config, tokenizer and other non-weight files; never download anything."""
+    copied = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src_dir.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name.endswith(_WEIGHT_SUFFIXES) or path.name in _WEIGHT_INDEXES:
+            continue
+        if path.name.endswith(MANIFEST_SUFFIX):
+            continue
+        shutil.copy2(path, out_dir / path.name)
+        copied.append(path.name)
+    return copied
