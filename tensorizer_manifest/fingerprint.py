@@ -78,9 +78,9 @@ def engine_fingerprint(vllm_config: Any, model_class: str) -> Fingerprint:
 
         cpu_onednn = bool(getattr(_custom_ops, "_supports_onednn", False))
     return Fingerprint(
-        vllm_version=vllm.__version__,
-        torch_version=torch.__version__,
-        tensorizer_version=getattr(tensorizer, "__version__", "unknown"),
+        vllm_version=str(vllm.__version__),
+        torch_version=str(torch.__version__),
+        tensorizer_version=str(getattr(tensorizer, "__version__", "unknown")),
         architectures=list(getattr(model_config.hf_config, "architectures", None) or []),
         model_class=model_class,
         dtype=str(model_config.dtype).removeprefix("torch."),

@@ -127,6 +127,12 @@ def _build_loaders():
     class CaptureModelLoader(DefaultModelLoader):
         """vLLM's default loader, with the post-load step observed so the engine can save itself."""
 
+        def __init__(self, load_config):
+            from vllm.config import replace
+
+            # The default loader picks weight files by load format; read them as "auto" does.
+            super().__init__(replace(load_config, load_format="auto"))
+
         def load_model(self, vllm_config, model_config, prefix: str = ""):
             from vllm.model_executor.model_loader import base_loader
 

@@ -1,0 +1,153 @@
+"""One end-to-end scenario on real vLLM, run in its own process; prints a JSON result on the last line.
+
+Usage: python tests/e2e_scenario.py KIND WORKDIR [--fallback] [--multiprocessing]
+
+Steps: reference tokens with vLLM's default loader on the safetensors model,
+save with a manifest, load back with load_format="tensorizer_manifest" while
+counting every process_weights_after_loading call per layer, compare tokens,
+and compare every processed-layer tensor bitwise with the reference engine.
+Counting and tensor comparison need the engine in this process, so they are
+skipped (reported as None) with --multiprocessing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind")
+    parser.add_argument("workdir")
+    parser.add_argument("--fallback", action="store_true", help="vLLM's torch CPU GEMM instead of oneDNN")
+    parser.add_argument("--multiprocessing", action="store_true")
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
+
+    import torch
+
+    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
+    from tensorizer_manifest.tiny import build_tiny_model
+
+    if args.fallback:
+        apply_cpu_gemm("fallback")
+    model_dir = build_tiny_model(os.path.join(args.workdir, f"tiny-{args.kind}"), args.kind)
+    out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{'-fallback' if args.fallback else ''}")
+    result: dict = {"kind": args.kind, "checkpoint": out_dir}
+
+    captured: dict[str, dict] = {}
+    if not args.multiprocessing:
+        # Keep the reference engine's processed tensors to compare bitwise after the manifest load.
+        from vllm.model_executor.model_loader import base_loader
+
+        original = base_loader.process_weights_after_loading
+
+        def keep(model, model_config, device):
+            original(model, model_config, device)
+            captured["ref"] = {
+                f"{path}.{name}" if path else name: t.detach().clone()
+                for path, module in model.named_modules()
+                for name, t in list(module._parameters.items()) + list(module._buffers.items())
+                if t is not None
+            }
+
+        base_loader.process_weights_after_loading = keep
+    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(model_dir, "auto")
+    if not args.multiprocessing:
+        base_loader.process_weights_after_loading = original
+
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128)
+
+    counts: collections.Counter = collections.Counter()
+    loaded: dict[str, torch.Tensor] = {}
+    if not args.multiprocessing:
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        from tensorizer_manifest.load import restore_tensors as _unused  # noqa: F401  (import before patching)
+        from tensorizer_manifest import replay as replay_module
+
+        patched = []
+        # Count the real post-load entry points of every quant method class in vLLM, and attention.
+        def patch(cls, label):
+            fn = cls.__dict__.get("process_weights_after_loading")
+            if fn is None:
+                return
+
+            def counting(self, layer, *a, __fn=fn, **k):
+                counts[(label, getattr(layer, "_tm_path", "?"))] += 1
+                return __fn(self, layer, *a, **k)
+
+            setattr(cls, "process_weights_after_loading", counting)
+            patched.append((cls, fn))
+
+        def all_subclasses(cls):
+            for sub in cls.__subclasses__():
+                yield sub
+                yield from all_subclasses(sub)
+
+        import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
+        for cls in set(all_subclasses(QuantizeMethodBase)):
+            patch(cls, "quant_method")
+        attn_fn = Attention.process_weights_after_loading
+
+        def attn_counting(self, act_dtype):
+            counts[("attention", getattr(self, "_tm_path", "?"))] += 1
+            return attn_fn(self, act_dtype)
+
+        Attention.process_weights_after_loading = attn_counting
+        original_replay = replay_module.replay_model
+
+        def tag_then_replay(model, manifest, model_config, target_device):
+            for path, module in model.named_modules():
+                module._tm_path = path
+            report = original_replay(model, manifest, model_config, target_device)
+            for path, module in model.named_modules():
+                for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+                    if t is not None:
+                        loaded[f"{path}.{name}" if path else name] = t.detach().clone()
+            captured["report"] = report.to_dict()
+            return report
+
+        replay_module.replay_model = tag_then_replay
+    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest")
+
+    from tensorizer_manifest.checkpoint import load_manifest
+
+    manifest, _ = load_manifest(out_dir)
+    result["layers"] = {m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method} for m in manifest.modules}
+    if args.multiprocessing:
+        result["post_load_counts"] = None
+        result["processed_tensor_mismatches"] = None
+    else:
+        result["post_load_counts"] = {f"{label}:{path}": n for (label, path), n in counts.items()}
+        result["report"] = captured.get("report")
+        mismatches = []
+        compared = 0
+        for m in manifest.modules:
+            if m.state != "processed":
+                continue
+            for t in m.tensors:
+                name = f"{m.path}.{t.name}" if m.path else t.name
+                ref, got = captured["ref"].get(name), loaded.get(name)
+                compared += 1
+                if ref is None or got is None:
+                    mismatches.append(f"{name}: missing ({ref is None}, {got is None})")
+                elif ref.dtype != got.dtype or ref.shape != got.shape or ref.stride() != got.stride():
+                    mismatches.append(f"{name}: {ref.dtype}{tuple(ref.shape)}{ref.stride()} vs {got.dtype}{tuple(got.shape)}{got.stride()}")
+                elif not torch.equal(ref.view(torch.uint8) if ref.numel() and ref.dim() else ref, got.view(torch.uint8) if got.numel() and got.dim() else got):
+                    mismatches.append(f"{name}: values differ")
+        result["processed_tensors_compared"] = compared
+        result["processed_tensor_mismatches"] = mismatches
+    print("E2E_RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
