@@ -149,6 +149,7 @@ def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 
         for param in model.parameters():
             if param.ndim >= 2:
                 param.normal_(0.0, 0.05)
+    config.architectures = [type(model).__name__]
     config.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
