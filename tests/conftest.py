@@ -1,0 +1,64 @@
+"""Shared fixtures. End-to-end scenarios run real vLLM in their own processes (vLLM keeps
+process-global state), once per session, and hand their JSON results to the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory) -> Path:
+    """One directory per session: tiny models are built once and shared by every scenario."""
+    return tmp_path_factory.mktemp("e2e")
+
+
+def run_script(script: str, *args: str, marker: str, timeout: int = 900) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(marker + " "):
+            return json.loads(line[len(marker) + 1 :])
+    raise AssertionError(
+        f"{script} {' '.join(args)} printed no {marker} (exit {proc.returncode}):\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+
+
+class Scenarios:
+    """Lazily runs and caches e2e scenarios for the whole session."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self._cache: dict[tuple, dict] = {}
+
+    def e2e(self, kind: str, *flags: str) -> dict:
+        key = ("e2e", kind, flags)
+        if key not in self._cache:
+            self._cache[key] = run_script("e2e_scenario.py", kind, str(self.workdir), *flags, marker="E2E_RESULT")
+        return self._cache[key]
+
+    def baseline(self, kind: str, mode: str) -> dict:
+        key = ("baseline", kind, mode)
+        if key not in self._cache:
+            self._cache[key] = run_script("baseline_scenario.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT")
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def scenarios(e2e_dir) -> Scenarios:
+    return Scenarios(e2e_dir)
