@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .errors import CompatibilityError, TensorizerManifestError, UnsupportedModelError
 
@@ -71,95 +72,89 @@ def _model_class_name(model_config: Any) -> str:
     return qualified_class(model_class)
 
 
-def _build_loaders():
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+class ManifestModelLoader(BaseModelLoader):
+    """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
 
-    class ManifestModelLoader(BaseModelLoader):
-        """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
+    def download_model(self, model_config) -> None:  # local checkpoints only
+        return None
 
-        def download_model(self, model_config) -> None:  # local checkpoints only
-            return None
+    def load_weights(self, model, model_config) -> None:
+        raise UnsupportedModelError(
+            f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported"
+        )
 
-        def load_weights(self, model, model_config) -> None:
-            raise UnsupportedModelError(
-                f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported"
-            )
+    def load_model(self, vllm_config, model_config, prefix: str = ""):
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
 
-        def load_model(self, vllm_config, model_config, prefix: str = ""):
-            from vllm.model_executor.model_loader.utils import initialize_model
-            from vllm.utils.torch_utils import set_default_torch_dtype
+        from .fingerprint import check_compatible, engine_fingerprint
+        from .load import check_model, check_offline, find_manifest, read_manifest, restore_tensors
+        from .replay import replay_model
+        from .tensors import TensorFileReader
 
-            from .fingerprint import check_compatible, engine_fingerprint
-            from .load import check_model, check_offline, find_manifest, read_manifest, restore_tensors
-            from .replay import replay_model
-            from .tensors import TensorFileReader
+        started = time.perf_counter()
+        options = _load_options(self.load_config)
+        checkpoint = Path(options.checkpoint_dir or model_config.model)
+        manifest_path = find_manifest(checkpoint, _rank_stem(vllm_config))
+        manifest = read_manifest(manifest_path)
+        tensor_path = check_offline(manifest, manifest_path)
+        current = engine_fingerprint(vllm_config, _model_class_name(model_config))
+        check_compatible(manifest.fingerprint, current, manifest, str(manifest_path))
 
-            started = time.perf_counter()
-            options = _load_options(self.load_config)
-            checkpoint = Path(options.checkpoint_dir or model_config.model)
-            manifest_path = find_manifest(checkpoint, _rank_stem(vllm_config))
-            manifest = read_manifest(manifest_path)
-            tensor_path = check_offline(manifest, manifest_path)
-            current = engine_fingerprint(vllm_config, _model_class_name(model_config))
-            check_compatible(manifest.fingerprint, current, manifest, str(manifest_path))
-
-            device_config = vllm_config.device_config
-            load_device = device_config.device if self.load_config.device is None else self.load_config.device
-            target_device = torch.device(load_device)
-            with set_default_torch_dtype(model_config.dtype):
-                with target_device:
-                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                check_model(manifest, model)  # before a byte of weights is read
-                reader = TensorFileReader(tensor_path, device=str(target_device))
-                try:
-                    nbytes = restore_tensors(model, manifest, reader, verify_hashes=options.verify_hashes)
-                finally:
-                    reader.close()
-                report = replay_model(model, manifest, model_config, target_device)
-            setattr(model, _REPORT_ATTR, {**report.to_dict(), "bytes_read": nbytes, "seconds": time.perf_counter() - started})
-            logger.info(
-                "tensorizer_manifest: loaded %s (%d raw layers post-processed, %d processed layers restored) in %.2fs",
-                manifest_path, len(report.post_load), len(report.restored), time.perf_counter() - started,
-            )
-            return model.eval()
-
-    class CaptureModelLoader(DefaultModelLoader):
-        """vLLM's default loader, with the post-load step observed so the engine can save itself."""
-
-        def __init__(self, load_config):
-            from vllm.config import replace
-
-            # The default loader picks weight files by load format; read them as "auto" does.
-            super().__init__(replace(load_config, load_format="auto"))
-
-        def load_model(self, vllm_config, model_config, prefix: str = ""):
-            from vllm.model_executor.model_loader import base_loader
-
-            from .capture import Recorder
-            from .fingerprint import engine_fingerprint
-
-            original = getattr(base_loader, "process_weights_after_loading", None)
-            if original is None:
-                raise UnsupportedModelError("this vLLM's BaseModelLoader has no process_weights_after_loading step to observe")
-            holder: dict[str, Any] = {}
-            fingerprint = engine_fingerprint(vllm_config, _model_class_name(model_config))
-
-            def observed(model, model_config_, target_device):
-                recorder = Recorder(model)
-                original(model, model_config_, target_device)
-                holder["capture"] = recorder.finish(fingerprint)
-
-            base_loader.process_weights_after_loading = observed
+        device_config = vllm_config.device_config
+        load_device = device_config.device if self.load_config.device is None else self.load_config.device
+        target_device = torch.device(load_device)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            check_model(manifest, model)  # before a byte of weights is read
+            reader = TensorFileReader(tensor_path, device=str(target_device))
             try:
-                model = super().load_model(vllm_config, model_config, prefix)
+                nbytes = restore_tensors(model, manifest, reader, verify_hashes=options.verify_hashes)
             finally:
-                base_loader.process_weights_after_loading = original
-            holder["capture"].stem = _rank_stem(vllm_config)
-            setattr(model, _CAPTURE_ATTR, holder["capture"])
-            return model
+                reader.close()
+            report = replay_model(model, manifest, model_config, target_device)
+        setattr(model, _REPORT_ATTR, {**report.to_dict(), "bytes_read": nbytes, "seconds": time.perf_counter() - started})
+        logger.info(
+            "tensorizer_manifest: loaded %s (%d raw layers post-processed, %d processed layers restored) in %.2fs",
+            manifest_path, len(report.post_load), len(report.restored), time.perf_counter() - started,
+        )
+        return model.eval()
 
-    return ManifestModelLoader, CaptureModelLoader
+class CaptureModelLoader(DefaultModelLoader):
+    """vLLM's default loader, with the post-load step observed so the engine can save itself."""
+
+    def __init__(self, load_config):
+        from vllm.config import replace
+
+        # The default loader picks weight files by load format; read them as "auto" does.
+        super().__init__(replace(load_config, load_format="auto"))
+
+    def load_model(self, vllm_config, model_config, prefix: str = ""):
+        from vllm.model_executor.model_loader import base_loader
+
+        from .capture import Recorder
+        from .fingerprint import engine_fingerprint
+
+        original = getattr(base_loader, "process_weights_after_loading", None)
+        if original is None:
+            raise UnsupportedModelError("this vLLM's BaseModelLoader has no process_weights_after_loading step to observe")
+        holder: dict[str, Any] = {}
+        fingerprint = engine_fingerprint(vllm_config, _model_class_name(model_config))
+
+        def observed(model, model_config_, target_device):
+            recorder = Recorder(model)
+            original(model, model_config_, target_device)
+            holder["capture"] = recorder.finish(fingerprint)
+
+        base_loader.process_weights_after_loading = observed
+        try:
+            model = super().load_model(vllm_config, model_config, prefix)
+        finally:
+            base_loader.process_weights_after_loading = original
+        holder["capture"].stem = _rank_stem(vllm_config)
+        setattr(model, _CAPTURE_ATTR, holder["capture"])
+        return model
 
 
 def register() -> None:
@@ -172,9 +167,8 @@ def register() -> None:
         _custom_ops._supports_onednn = False
     if LOAD_FORMAT in _LOAD_FORMAT_TO_MODEL_LOADER:
         return
-    manifest_loader, capture_loader = _build_loaders()
-    register_model_loader(LOAD_FORMAT)(manifest_loader)
-    register_model_loader(CAPTURE_LOAD_FORMAT)(capture_loader)
+    register_model_loader(LOAD_FORMAT)(ManifestModelLoader)
+    register_model_loader(CAPTURE_LOAD_FORMAT)(CaptureModelLoader)
 
 
 class ManifestWorkerExtension:

@@ -1,0 +1,72 @@
+"""The command line on a checkpoint saved by real vLLM (e2e) and on bad paths (fast)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "tensorizer_manifest.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+
+
+@pytest.mark.e2e
+def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
+    checkpoint = Path(scenarios.e2e("w8a8-int8")["checkpoint"])
+    manifest = json.loads((checkpoint / "model.manifest.json").read_text())
+
+    table = run("inspect", str(checkpoint))
+    assert table.returncode == 0, table.stderr
+    for module in manifest["modules"]:
+        assert module["path"] in table.stdout
+    assert "raw" in table.stdout and "processed" in table.stdout
+    assert "CompressedTensorsLinearMethod" in table.stdout
+
+    as_json = run("inspect", str(checkpoint / "model.manifest.json"), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert [row["path"] for row in doc["layers"]] == [m["path"] for m in manifest["modules"]]
+    raw = sum(1 for m in manifest["modules"] if m["state"] == "raw")
+    assert doc["summary"]["raw_layers"] == raw == 8
+    assert doc["summary"]["tensor_file_bytes"] == (checkpoint / "model.tensors").stat().st_size
+    qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
+    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and "azp_adj" in qkv["runtime_state"]
+
+
+@pytest.mark.e2e
+def test_inspect_imports_neither_torch_nor_vllm(scenarios):
+    checkpoint = scenarios.e2e("llama")["checkpoint"]
+    code = (
+        "import sys\nfrom tensorizer_manifest.cli import app\n"
+        f"try:\n    app(['inspect', {checkpoint!r}, '--json'])\nexcept SystemExit:\n    pass\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["summary"]["layers"] > 0
+
+
+def test_inspect_missing_path_is_one_clear_line(tmp_path):
+    proc = run("inspect", str(tmp_path / "nope"))
+    assert proc.returncode == 1
+    assert "no such checkpoint directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_directory_without_manifest(tmp_path):
+    proc = run("inspect", str(tmp_path))
+    assert proc.returncode == 1
+    assert "not a tensorizer-manifest checkpoint" in proc.stderr
+
+
+def test_inspect_damaged_manifest(tmp_path):
+    (tmp_path / "model.manifest.json").write_text('{"format_version": 1, "producer": 3}')
+    proc = run("inspect", str(tmp_path))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "$.producer" in proc.stderr
