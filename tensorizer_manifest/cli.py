@@ -49,6 +49,83 @@ def inspect(
 
 
 @app.command()
+def validate(
+    path: Path = typer.Argument(..., help="A checkpoint directory or a *.manifest.json file."),
+    json: bool = typer.Option(False, "--json", help="Machine-readable report."),
+    hashes: bool = typer.Option(True, "--hashes/--no-hashes", help="Read every tensor and check its content hash."),
+    dtype: Optional[str] = typer.Option(None, help="Also check the checkpoint suits an engine with this dtype."),
+    quantization: Optional[str] = typer.Option(None, help="... with this quantization ('none' for unquantized)."),
+    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", "-tp", help="... with this TP size."),
+    pipeline_parallel_size: Optional[int] = typer.Option(None, "--pipeline-parallel-size", "-pp", help="... with this PP size."),
+    engine: bool = typer.Option(False, "--engine", help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels."),
+) -> None:
+    """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
+    import msgspec
+
+    from .validate import check_engine_settings, validate_checkpoint
+
+    report = validate_checkpoint(path, verify_hashes=hashes)
+    problems = list(report.problems)
+    if report.manifest_path is not None:
+        problems += check_engine_settings(
+            report.manifest_path, dtype=dtype, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        )
+        if engine and not problems:
+            from .engine_check import check_against_engine
+
+            problems += check_against_engine(report.manifest_path, dtype=dtype, quantization=quantization)
+    if json:
+        doc = report.to_dict()
+        doc["ok"] = not problems
+        doc["problems"] = [{"error": p.kind.__name__, "where": p.where, "message": p.message} for p in problems]
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
+    elif problems:
+        for problem in problems:
+            err_console.print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
+            f"{report.stored} stored, {report.hashes_checked} content hashes checked"
+        )
+    raise typer.Exit(1 if problems else 0)
+
+
+@app.command()
+def diff(
+    a: Path = typer.Argument(..., help="First checkpoint directory or manifest."),
+    b: Path = typer.Argument(..., help="Second checkpoint directory or manifest."),
+    json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """What differs between two checkpoints; exit 0 when they are the same, 1 when they differ."""
+    import msgspec
+
+    from .checkpoint import load_manifest
+    from .diff import diff_manifests
+
+    try:
+        ma, _ = load_manifest(a)
+        mb, _ = load_manifest(b)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    result = diff_manifests(ma, mb)
+    if json:
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.to_dict()), indent=2) + b"\n")
+    else:
+        if result.same:
+            console.print("the checkpoints describe the same model, layers and tensors")
+        for field_name, x, y in result.fingerprint:
+            console.print(f"fingerprint.{field_name}: {x!r} -> {y!r}", highlight=False)
+        for path in result.layers_removed:
+            console.print(f"[red]- {path}[/red]", highlight=False)
+        for path in result.layers_added:
+            console.print(f"[green]+ {path}[/green]", highlight=False)
+        for path, what, x, y in result.layers_changed:
+            console.print(f"~ {path}: {what}: {x!r} -> {y!r}", highlight=False)
+    raise typer.Exit(0 if result.same else 1)
+
+
+@app.command()
 def schema() -> None:
     """Print the manifest's JSON Schema (generated from the types)."""
     import msgspec

@@ -1,6 +1,6 @@
-"""Load side: read the manifest, check it against a freshly built model, restore tensors exactly.
+"""Load side: check the manifest against a freshly built model, then restore tensors exactly.
 
-Everything in ``check_model`` runs before a byte of weights is read.
+``check_model`` (and ``validate.check_files`` before it) run before a byte of weights is read.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from pathlib import Path
 import torch
 
 from .capture import find_kernels, module_tensors
-from .checkpoint import find_manifest, read_manifest  # noqa: F401  (re-exported for the loader)
-from .errors import CheckpointNotFoundError, CompatibilityError, IntegrityError, ManifestError
+from .errors import CompatibilityError, IntegrityError
 from .schema import Manifest, ModuleRecord, TensorRecord
 from .tensors import (
     TensorFileReader,
-    check_shape,
-    digest_records,
     dtype_name,
     hash_tensor,
     make_parameter,
@@ -24,59 +21,8 @@ from .tensors import (
     qualified_class,
 )
 
-def tensor_file_path(manifest_path: Path, manifest: Manifest) -> Path:
-    """The tensor file, which must be a plain name inside the checkpoint directory."""
-    name = manifest.tensor_file.path
-    if not name or "/" in name or "\\" in name or name in (".", "..") or Path(name).is_absolute():
-        raise ManifestError(f"{manifest_path}: tensor file {name!r} must be a plain file name in the checkpoint directory")
-    path = manifest_path.parent / name
-    if path.is_symlink() and path.resolve().parent != manifest_path.parent.resolve():
-        raise ManifestError(f"{manifest_path}: tensor file {name!r} links outside the checkpoint directory")
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path}: tensor file named by the manifest is missing")
-    return path
-
-
 def full_name(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
-
-
-def check_offline(manifest: Manifest, manifest_path: Path) -> Path:
-    """Checks that need no model: records, shapes, aliases, digest, file size."""
-    names: set[str] = set()
-    keys: set[str] = set()
-    ordered = []
-    for module in manifest.modules:
-        for record in module.tensors:
-            name = full_name(module.path, record.name)
-            if name in names:
-                raise ManifestError(f"{manifest_path}: tensor {name!r} is recorded twice")
-            names.add(name)
-            check_shape(record, name)
-            if record.key is not None:
-                if record.key in keys:
-                    raise ManifestError(f"{manifest_path}: tensor file key {record.key!r} is used twice")
-                keys.add(record.key)
-            if record.alias_of is not None and record.alias_of not in names:
-                raise ManifestError(f"{manifest_path}: {name!r} is an alias of {record.alias_of!r}, which is not recorded before it")
-            if record.key is None and record.alias_of is None and record.nbytes:
-                raise ManifestError(f"{manifest_path}: {name!r} has data but no tensor file key")
-            ordered.append((name, record))
-    if digest_records(ordered) != manifest.tensor_file.digest:
-        raise IntegrityError(
-            f"{manifest_path}: the tensor records do not match the digest bound to the tensor file; "
-            "the manifest was edited or belongs to another checkpoint"
-        )
-    if len(keys) != manifest.tensor_file.tensor_count:
-        raise IntegrityError(f"{manifest_path}: {len(keys)} stored tensors recorded, tensor file holds {manifest.tensor_file.tensor_count}")
-    tensor_path = tensor_file_path(manifest_path, manifest)
-    size = tensor_path.stat().st_size
-    if size != manifest.tensor_file.size:
-        raise IntegrityError(
-            f"{tensor_path}: {size} bytes, the manifest says {manifest.tensor_file.size}; "
-            "the tensor file is truncated, padded or from another save"
-        )
-    return tensor_path
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:

@@ -119,6 +119,8 @@ class TensorFileRef(_Struct, kw_only=True):
     tensor_count: int
     digest: str
     """``blake3:<hex>`` over every record's name and hash: binds manifest and tensor file."""
+    head_hash: str | None = None
+    """``blake3:<hex>`` of the file's first MiB (tensorizer's header and index)."""
 
 
 class Manifest(_Struct, kw_only=True):

@@ -23,7 +23,7 @@ from .schema import PlainValue, TensorRecord
 
 #: Parameter classes the loader may instantiate. Anything else is refused, so a
 #: manifest can never make the loader import or build an arbitrary class.
-_ALLOWED_PARAM_MODULES = ("torch.nn.parameter", "vllm.model_executor.parameter")
+from .validate import _PARAM_MODULES as _ALLOWED_PARAM_MODULES  # noqa: E402  (one list for both)
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -62,17 +62,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def hash_tensor(tensor: torch.Tensor) -> str:
     """blake3 of the tensor's bytes: fast (multi-GB/s), and already a vLLM dependency."""
     return "blake3:" + blake3.blake3(tensor_bytes(tensor)).hexdigest()
-
-
-def digest_records(records: Iterable[tuple[str, TensorRecord]]) -> str:
-    """One hash over every record's full name and content hash, in order."""
-    h = blake3.blake3()
-    for full_name, record in records:
-        h.update(full_name.encode())
-        h.update(b"\0")
-        h.update(record.hash.encode())
-        h.update(b"\n")
-    return "blake3:" + h.hexdigest()
 
 
 def plain_value(value: object) -> tuple[bool, PlainValue]:
@@ -168,22 +157,6 @@ class TensorFileReader:
 
     def close(self) -> None:
         self._deserializer.close()
-
-
-def check_shape(record: TensorRecord, where: str) -> None:
-    """Shape arithmetic checked before anything is allocated."""
-    if len(record.shape) != len(record.stride):
-        raise ManifestError(f"{where}: shape {record.shape} and stride {record.stride} differ in rank")
-    if any(d < 0 for d in record.shape) or any(s < 0 for s in record.stride) or record.storage_offset < 0:
-        raise ManifestError(f"{where}: negative shape, stride or offset in {record.shape}/{record.stride}")
-    numel = 1
-    for d in record.shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=dtype_from_name(record.dtype)).element_size()
-    if numel * itemsize != record.nbytes:
-        raise ManifestError(
-            f"{where}: nbytes {record.nbytes} does not match shape {record.shape} of {record.dtype}"
-        )
 
 
 def materialize(record: TensorRecord, data: torch.Tensor | None, where: str) -> torch.Tensor:

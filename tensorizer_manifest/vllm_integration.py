@@ -88,7 +88,9 @@ class ManifestModelLoader(BaseModelLoader):
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         from .fingerprint import check_compatible, engine_fingerprint
-        from .load import check_model, check_offline, find_manifest, read_manifest, restore_tensors
+        from .checkpoint import find_manifest, read_manifest
+        from .load import check_model, restore_tensors
+        from .validate import check_files
         from .replay import replay_model
         from .tensors import TensorFileReader
 
@@ -97,7 +99,7 @@ class ManifestModelLoader(BaseModelLoader):
         checkpoint = Path(options.checkpoint_dir or model_config.model)
         manifest_path = find_manifest(checkpoint, _rank_stem(vllm_config))
         manifest = read_manifest(manifest_path)
-        tensor_path = check_offline(manifest, manifest_path)
+        tensor_path = check_files(manifest, manifest_path)
         current = engine_fingerprint(vllm_config, _model_class_name(model_config))
         check_compatible(manifest.fingerprint, current, manifest, str(manifest_path))
 

@@ -24,7 +24,8 @@ from .schema import (
     TensorRecord,
     encode_manifest,
 )
-from .tensors import digest_records, make_record, qualified_class, write_tensor_file
+from .tensors import make_record, qualified_class, write_tensor_file
+from .validate import digest_records, head_hash
 
 #: Files of a model directory that are weights, not configuration: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".msgpack", ".h5", ".ckpt")
@@ -87,26 +88,46 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
 
 
 def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
-    """Write ``<stem>.tensors`` and ``<stem>.manifest.json`` into ``out_dir``."""
+    """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
+
+    Crash safety: the tensor file gets a new name derived from its content, so a
+    checkpoint already at ``out_dir`` is never touched until the new manifest
+    replaces the old one in a single atomic rename. Killed at any moment, the
+    directory holds either the old complete checkpoint or the new one (plus,
+    at worst, an unreferenced temporary file).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensor_name = stem + TENSORS_SUFFIX
-    manifest, to_store = build_manifest(capture, tensor_name)
+    manifest, to_store = build_manifest(capture, "")
+    tensor_name = f"{stem}.{manifest.tensor_file.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
+    manifest.tensor_file.path = tensor_name
+    manifest_name = stem + MANIFEST_SUFFIX
     tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
-    tmp_manifest = out_dir / f".{stem}{MANIFEST_SUFFIX}.{os.getpid()}.tmp"
+    tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
     try:
         write_tensor_file(tmp_tensors, to_store)
         manifest.tensor_file.size = tmp_tensors.stat().st_size
-        tmp_manifest.write_bytes(encode_manifest(manifest))
+        manifest.tensor_file.head_hash = head_hash(tmp_tensors)
         _fsync(tmp_tensors)
-        _fsync(tmp_manifest)
-        # An older manifest must never describe the new tensor file: drop it first.
-        (out_dir / (stem + MANIFEST_SUFFIX)).unlink(missing_ok=True)
         os.replace(tmp_tensors, out_dir / tensor_name)
-        os.replace(tmp_manifest, out_dir / (stem + MANIFEST_SUFFIX))
+        tmp_manifest.write_bytes(encode_manifest(manifest))
+        _fsync(tmp_manifest)
+        os.replace(tmp_manifest, out_dir / manifest_name)  # the commit point
+        _fsync_dir(out_dir)
     finally:
         tmp_tensors.unlink(missing_ok=True)
         tmp_manifest.unlink(missing_ok=True)
+    for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):
+        if stale.name != tensor_name:
+            stale.unlink(missing_ok=True)
     return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: Path) -> None:
@@ -125,6 +146,8 @@ def copy_model_files(src_dir: Path, out_dir: Path) -> list[str]:
             continue
         if path.name.endswith(MANIFEST_SUFFIX):
             continue
-        shutil.copy2(path, out_dir / path.name)
+        tmp = out_dir / f".{path.name}.{os.getpid()}.tmp"
+        shutil.copy2(path, tmp)
+        os.replace(tmp, out_dir / path.name)
         copied.append(path.name)
     return copied

@@ -62,3 +62,7 @@ class Scenarios:
 @pytest.fixture(scope="session")
 def scenarios(e2e_dir) -> Scenarios:
     return Scenarios(e2e_dir)
+
+
+# tests/ on sys.path, so helpers (synthetic checkpoints, the bad-input catalog) import plainly.
+sys.path.insert(0, str(TESTS))

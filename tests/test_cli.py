@@ -34,7 +34,7 @@ def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
     assert [row["path"] for row in doc["layers"]] == [m["path"] for m in manifest["modules"]]
     raw = sum(1 for m in manifest["modules"] if m["state"] == "raw")
     assert doc["summary"]["raw_layers"] == raw == 8
-    assert doc["summary"]["tensor_file_bytes"] == (checkpoint / "model.tensors").stat().st_size
+    assert doc["summary"]["tensor_file_bytes"] == (checkpoint / manifest["tensor_file"]["path"]).stat().st_size
     qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
     assert qkv["state"] == "raw" and qkv["bytes"] > 0 and "azp_adj" in qkv["runtime_state"]
 

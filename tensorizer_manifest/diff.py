@@ -1,0 +1,70 @@
+"""What differs between two checkpoints: fingerprint, layers, state, kernels, tensors. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from .schema import Manifest, ModuleRecord
+
+
+@dataclass
+class ManifestDiff:
+    fingerprint: list[tuple[str, object, object]] = field(default_factory=list)
+    layers_added: list[str] = field(default_factory=list)
+    layers_removed: list[str] = field(default_factory=list)
+    layers_changed: list[tuple[str, str, object, object]] = field(default_factory=list)
+
+    @property
+    def same(self) -> bool:
+        return not (self.fingerprint or self.layers_added or self.layers_removed or self.layers_changed)
+
+    def to_dict(self) -> dict:
+        return {
+            "same": self.same,
+            "fingerprint": [{"field": f, "a": a, "b": b} for f, a, b in self.fingerprint],
+            "layers_added": self.layers_added,
+            "layers_removed": self.layers_removed,
+            "layers_changed": [{"layer": l, "what": w, "a": a, "b": b} for l, w, a, b in self.layers_changed],
+        }
+
+
+def _layer_changes(a: ModuleRecord, b: ModuleRecord) -> list[tuple[str, object, object]]:
+    changes: list[tuple[str, object, object]] = []
+    for attr in ("module_class", "quant_method", "state", "replay"):
+        if getattr(a, attr) != getattr(b, attr):
+            changes.append((attr, getattr(a, attr), getattr(b, attr)))
+    ka = {(k.owner, k.attr): k.kernel_class for k in a.kernels}
+    kb = {(k.owner, k.attr): k.kernel_class for k in b.kernels}
+    for key in sorted(set(ka) | set(kb)):
+        if ka.get(key) != kb.get(key):
+            changes.append((f"kernel {key[0]}.{key[1]}", ka.get(key), kb.get(key)))
+    ta = {t.name: t for t in a.tensors}
+    tb = {t.name: t for t in b.tensors}
+    for name in sorted(set(ta) | set(tb)):
+        x, y = ta.get(name), tb.get(name)
+        if x is None or y is None:
+            changes.append((f"tensor {name}", "present" if x else "absent", "present" if y else "absent"))
+            continue
+        for attr in ("kind", "dtype", "shape", "stride", "param_class", "hash", "alias_of"):
+            if getattr(x, attr) != getattr(y, attr):
+                changes.append((f"tensor {name} {attr}", getattr(x, attr), getattr(y, attr)))
+    ra = {(r.owner, r.name) for r in a.runtime_state}
+    rb = {(r.owner, r.name) for r in b.runtime_state}
+    if ra != rb:
+        changes.append(("runtime_state", sorted(".".join(k) for k in ra), sorted(".".join(k) for k in rb)))
+    return changes
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
+    result = ManifestDiff()
+    fa, fb = msgspec.structs.asdict(a.fingerprint), msgspec.structs.asdict(b.fingerprint)
+    result.fingerprint = [(k, fa[k], fb.get(k)) for k in fa if fa[k] != fb.get(k)]
+    ma, mb = a.module_map(), b.module_map()
+    result.layers_removed = [p for p in ma if p not in mb]
+    result.layers_added = [p for p in mb if p not in ma]
+    for path in ma:
+        if path in mb:
+            result.layers_changed += [(path, what, x, y) for what, x, y in _layer_changes(ma[path], mb[path])]
+    return result

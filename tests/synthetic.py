@@ -1,0 +1,78 @@
+"""A small checkpoint written by the real writer from plain torch modules: no vLLM engine needed.
+
+Used by the fast tests of validation, bad inputs, fuzzing and crash safety. Its
+layers mirror what a real save records: a raw linear, a processed norm, a tied
+head, a non-contiguous buffer, a zero-length bfloat16 tensor and an int8 one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tensorizer_manifest.capture import Capture, CapturedLayer, TensorSlot
+from tensorizer_manifest.schema import Fingerprint, KernelRecord, RuntimeAttr
+from tensorizer_manifest.write import write_checkpoint
+
+FINGERPRINT = Fingerprint(
+    vllm_version="0.32.0", torch_version="2.13.0+cpu", tensorizer_version="2.10.1",
+    architectures=["LlamaForCausalLM"], model_class="vllm.model_executor.models.llama.LlamaForCausalLM",
+    dtype="bfloat16", quantization=None, quant_config_hash=None, kv_cache_dtype="auto",
+    tensor_parallel_size=1, tensor_parallel_rank=0, pipeline_parallel_size=1, pipeline_parallel_rank=0,
+    device_type="cpu",
+)
+
+
+def _slots(module: torch.nn.Module) -> dict[str, TensorSlot]:
+    slots = {}
+    for name, p in module._parameters.items():
+        slots[name] = TensorSlot(p, "parameter", True, (id(p), 0, 0))
+    for name, b in module._buffers.items():
+        slots[name] = TensorSlot(b, "buffer", name not in module._non_persistent_buffers_set, (id(b), 0, 0))
+    return slots
+
+
+def make_capture(seed: int = 0, scale: int = 1) -> Capture:
+    torch.manual_seed(seed)
+    embed = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.randn(64 * scale, 32).to(torch.bfloat16), requires_grad=False)
+    embed.weight.input_dim = 1
+    embed.weight.output_dim = 0
+    linear = torch.nn.Module()
+    linear.weight = torch.nn.Parameter(torch.randint(-127, 127, (48 * scale, 32), dtype=torch.int8), requires_grad=False)
+    linear.weight_scale = torch.nn.Parameter(torch.rand(48 * scale, 1), requires_grad=False)
+    linear.register_buffer("empty", torch.empty(0, dtype=torch.bfloat16))
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.ones(32, dtype=torch.bfloat16), requires_grad=False)
+    norm.register_buffer("cache", torch.randn(16, 8).t(), persistent=False)  # non-contiguous
+    head = torch.nn.Module()
+    head.weight = embed.weight  # tied
+    kernel = [KernelRecord(owner="layer", attr="cpu_linear", kernel_class="torch.nn.functional.linear")]
+    layers = [
+        CapturedLayer("model.embed_tokens", embed, "processed", "cpu_unquantized_gemm", _slots(embed), kernel,
+                      [RuntimeAttr(owner="layer", name="cpu_linear", type="builtins.function", rebuilt_by="cpu_unquantized_gemm")], ""),
+        CapturedLayer("model.layers.0.mlp.down_proj", linear, "raw", "post_load", _slots(linear), [],
+                      [RuntimeAttr(owner="layer", name="azp_adj", type="torch.nn.parameter.Parameter", rebuilt_by="post_load")], ""),
+        CapturedLayer("model.norm", norm, "processed", "none", _slots(norm), [], [], ""),
+        CapturedLayer("lm_head", head, "processed", "cpu_unquantized_gemm", _slots(head), kernel, [], ""),
+    ]
+    return Capture(fingerprint=FINGERPRINT, layers=layers)
+
+
+def write_synthetic_checkpoint(out_dir: Path, seed: int = 0, scale: int = 1) -> Path:
+    """Write the synthetic checkpoint into ``out_dir`` (a config.json too) and return it."""
+    out_dir = Path(out_dir)
+    write_checkpoint(make_capture(seed, scale), out_dir, "model")
+    (out_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    return out_dir
+
+
+if __name__ == "__main__":  # used by the crash-safety test: write, forever, until killed
+    import sys
+
+    target = Path(sys.argv[1])
+    seed = 0
+    while True:
+        seed += 1
+        write_synthetic_checkpoint(target, seed=seed, scale=int(sys.argv[2]) if len(sys.argv) > 2 else 64)
