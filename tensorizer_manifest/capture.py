@@ -240,9 +240,14 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
             path, module, "processed", restorer.name, after.tensors, after.kernels,
             runtime_attrs(diff, restorer.name), f"restorer {restorer.name} rebuilds all the step created",
         )
+    # Tensors the step creates (e.g. int8's ``azp_adj``) are runtime state of a raw layer too.
+    created = [
+        RuntimeAttr(owner="layer", name=name, type=describe(after.tensors[name].tensor), rebuilt_by="post_load")
+        for name in sorted(diff.added_tensors)
+    ]
     return CapturedLayer(
         path, module, "raw", "post_load", before.tensors, after.kernels,
-        runtime_attrs(diff, "post_load"), why_not,
+        created + runtime_attrs(diff, "post_load"), why_not,
     )
 
 

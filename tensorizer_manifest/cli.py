@@ -7,6 +7,7 @@ commands that need them, so ``inspect`` and ``schema`` answer at once.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -21,8 +22,10 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Self-describing vLLM tensorizer checkpoints: save, inspect, load with load_format='tensorizer_manifest'.",
 )
-console = Console()
-err_console = Console(stderr=True)
+# Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
+_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
 
 
 def _fail(exc: BaseException) -> None:
@@ -72,9 +75,15 @@ def validate(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         )
         if engine and not problems:
-            from .engine_check import check_against_engine
+            import contextlib
+            import os
 
-            problems += check_against_engine(report.manifest_path, dtype=dtype, quantization=quantization)
+            # vLLM logs to stdout; keep stdout for the report.
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+            with contextlib.redirect_stdout(sys.stderr):
+                from .engine_check import check_against_engine
+
+                problems += check_against_engine(report.manifest_path, dtype=dtype, quantization=quantization)
     if json:
         doc = report.to_dict()
         doc["ok"] = not problems

@@ -69,8 +69,9 @@ def render(manifest: Manifest, source: str, console) -> None:
     from rich.table import Table
 
     table = Table(title=f"{source}", show_lines=False, header_style="bold")
+    # Names people search for are never folded; only the long lists are.
     for column in ("layer", "class", "quant method", "kernel", "state", "replay", "tensors", "bytes", "runtime state"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=column not in ("kernel", "runtime state"), overflow="fold")
     for module in manifest.modules:
         row = layer_row(module)
         table.add_row(

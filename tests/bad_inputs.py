@@ -186,3 +186,11 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("saved-for-another-quantization", _edit(_set(["fingerprint", "quantization"], "fp8")), "CompatibilityError", "quantization", "engine"),
     BadInput("saved-for-another-parallel-size", _edit(_set(["fingerprint", "tensor_parallel_size"], 2)), "CompatibilityError", "tensor_parallel_size", "engine"),
 ]
+
+#: Only the model vLLM builds can show these (``validate --engine`` and the loader); they need a
+#: checkpoint saved by real vLLM, with attention layers and (for the last) a raw layer.
+MODEL_BAD_INPUTS: list[BadInput] = [
+    BadInput("renamed-kernel", _edit(lambda doc: next(k for m in doc["modules"] for k in m["kernels"] if k["attr"] == "impl").update(kernel_class="vllm.v1.attention.backends.flash_attn.FlashAttentionImpl")), "CompatibilityError", "layer.impl", "model"),
+    BadInput("renamed-module-class", _edit(lambda doc: _first_module_with(doc, lambda m: m["quant_method"]).update(module_class="vllm.model_executor.layers.linear.ReplicatedLinear")), "CompatibilityError", "module_class", "model"),
+    BadInput("raw-layer-marked-processed-without-replay", _edit(lambda doc: _first_module_with(doc, lambda m: m["state"] == "raw").update(state="processed", replay="none")), "ReplayError", "missing after replay", "model"),
+]

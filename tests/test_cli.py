@@ -13,7 +13,7 @@ CLI = [sys.executable, "-m", "tensorizer_manifest.cli"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env={"PATH": ""})
 
 
 @pytest.mark.e2e

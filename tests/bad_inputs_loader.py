@@ -1,0 +1,73 @@
+"""Every crafted bad input against vLLM's real loader, in one process: nothing may be served.
+
+Usage: python tests/bad_inputs_loader.py CHECKPOINT WORKDIR
+Prints ``LOADER_RESULT {json}``: per case, the exception type raised by
+``LLM(..., load_format="tensorizer_manifest")`` (anywhere in its cause chain),
+its message, and whether any tokens were generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def _our_error(exc: BaseException):
+    from tensorizer_manifest.errors import TensorizerManifestError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TensorizerManifestError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def main() -> None:
+    checkpoint, workdir = Path(sys.argv[1]), Path(sys.argv[2])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
+    from vllm import LLM, SamplingParams
+
+    from tensorizer_manifest.save import shutdown
+    from tensorizer_manifest.tiny import DEMO_PROMPTS
+
+    results = {}
+    for case in BAD_INPUTS + MODEL_BAD_INPUTS:
+        d = workdir / case.name / "ckpt"
+        shutil.copytree(checkpoint, d, symlinks=True)
+        case.mutate(d)
+        entry = {"error": None, "message": None, "tokens": None, "raised": None}
+        llm = None
+        try:
+            llm = LLM(model=str(d), load_format="tensorizer_manifest", dtype="bfloat16", enforce_eager=True,
+                      max_model_len=128, max_num_seqs=1, seed=0, kv_cache_memory_bytes=64 << 20)
+            out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            entry["tokens"] = list(out[0].outputs[0].token_ids)
+        except BaseException as exc:  # noqa: BLE001
+            ours = _our_error(exc)
+            entry["raised"] = type(exc).__name__
+            entry["error"] = type(ours).__name__ if ours else None
+            entry["message"] = str(ours if ours else exc)[:800]
+        finally:
+            if llm is not None:
+                shutdown(llm)
+            else:
+                try:
+                    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                    cleanup_dist_env_and_memory()
+                except Exception:
+                    pass
+        results[case.name] = entry
+    print("LOADER_RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
