@@ -34,9 +34,12 @@ EXACT = (
     "tensor_parallel_rank",
     "pipeline_parallel_size",
     "pipeline_parallel_rank",
+    "expert_parallel",
 )
-PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability")
-INFORMATIONAL = ("torch_version", "tensorizer_version", "data_parallel_size", "cpu_onednn")
+PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability", "linear_backend", "moe_backend")
+INFORMATIONAL = (
+    "torch_version", "tensorizer_version", "data_parallel_size", "data_parallel_rank", "cpu_onednn", "revision",
+)
 
 
 def _quant_config_hash(model_config: Any) -> str | None:
@@ -95,7 +98,16 @@ def engine_fingerprint(vllm_config: Any, model_class: str) -> Fingerprint:
         device_type=str(vllm_config.device_config.device_type),
         device_capability=capability,
         cpu_onednn=cpu_onednn,
+        data_parallel_rank=getattr(parallel, "data_parallel_rank", 0) or 0,
+        expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
+        linear_backend=_opt_str(getattr(getattr(vllm_config, "kernel_config", None), "linear_backend", None)),
+        moe_backend=_opt_str(getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)),
+        revision=model_config.revision,
     )
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def needs_same_kernels(manifest: Manifest) -> bool:

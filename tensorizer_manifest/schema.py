@@ -110,6 +110,11 @@ class Fingerprint(_Struct, kw_only=True):
     device_type: str
     device_capability: str | None = None
     cpu_onednn: bool | None = None
+    data_parallel_rank: int = 0
+    expert_parallel: bool = False
+    linear_backend: str | None = None
+    moe_backend: str | None = None
+    revision: str | None = None
 
 
 class TensorFileRef(_Struct, kw_only=True):

@@ -93,10 +93,12 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
     Crash safety: the tensor file gets a new name derived from its content, so a
     checkpoint already at ``out_dir`` is never touched until the new manifest
     replaces the old one in a single atomic rename. Killed at any moment, the
-    directory holds either the old complete checkpoint or the new one (plus,
-    at worst, an unreferenced temporary file).
+    directory holds either the old complete checkpoint or the new one; at worst
+    beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
+    tensor file, both removed by the next save.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_temporaries(out_dir, stem)
     manifest, to_store = build_manifest(capture, "")
     tensor_name = f"{stem}.{manifest.tensor_file.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
     manifest.tensor_file.path = tensor_name
@@ -120,6 +122,20 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
         if stale.name != tensor_name:
             stale.unlink(missing_ok=True)
     return manifest
+
+
+def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:
+    """Hidden temporaries of saves that were killed (their process is gone)."""
+    for tmp in out_dir.glob(f".{stem}.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _fsync_dir(path: Path) -> None:

@@ -195,3 +195,36 @@ def test_cli_inspect_and_schema_do_not_import_torch_or_vllm(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert msgspec.json.decode(proc.stdout)["$ref"] == "#/$defs/Manifest"
+
+
+def test_every_fingerprint_field_has_a_written_policy():
+    from tensorizer_manifest.fingerprint import EXACT, INFORMATIONAL, PROCESSED_ONLY
+
+    fields = set(schema.Fingerprint.__struct_fields__)
+    policies = [*EXACT, *PROCESSED_ONLY, *INFORMATIONAL]
+    assert len(policies) == len(set(policies)), "a field has two policies"
+    assert set(policies) == fields
+    doc = (ROOT / "docs" / "fingerprint-policy.md").read_text()
+    for name in fields:
+        assert name in doc, f"docs/fingerprint-policy.md does not discuss {name}"
+
+
+def test_no_pickle_anywhere_in_the_package():
+    for path in (ROOT / "tensorizer_manifest").glob("*.py"):
+        text = path.read_text()
+        for needle in ("import pickle", "cloudpickle", "torch.load(", "pickle.load"):
+            assert needle not in text, f"{path.name} uses {needle}"
+
+
+def test_loader_options_are_validated():
+    pytest.importorskip("vllm")
+    from tensorizer_manifest.errors import CompatibilityError
+    from tensorizer_manifest.vllm_integration import _load_options
+
+    class LoadConfig:
+        model_loader_extra_config = {"verify_hashes": "no"}
+
+    assert _load_options(LoadConfig()).verify_hashes is False
+    LoadConfig.model_loader_extra_config = {"verfy_hashes": False}
+    with pytest.raises(CompatibilityError, match="verfy_hashes"):
+        _load_options(LoadConfig())
