@@ -1,0 +1,67 @@
+"""Format stability: a checked-in version-1 checkpoint must keep validating in every later version;
+`diff` reports what differs between checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from synthetic import write_synthetic_checkpoint
+from tensorizer_manifest.checkpoint import load_manifest
+from tensorizer_manifest.diff import diff_manifests
+from tensorizer_manifest.validate import validate_checkpoint
+
+V1 = Path(__file__).parent / "fixtures" / "v1-checkpoint"
+
+
+def test_checked_in_v1_checkpoint_still_validates():
+    """Written by tensorizer-manifest 0.1.0 (format 1). Never regenerate it: it is the old reader's promise."""
+    manifest, _ = load_manifest(V1)
+    assert manifest.format_version == 1
+    report = validate_checkpoint(V1)
+    assert report.ok, report.problems
+    assert report.hashes_checked == 5
+
+
+def test_diff_of_identical_checkpoints_is_empty(tmp_path):
+    a = write_synthetic_checkpoint(tmp_path / "a", seed=7)
+    assert diff_manifests(load_manifest(a)[0], load_manifest(V1)[0]).same
+
+
+def test_diff_reports_fingerprint_layers_state_and_tensors(tmp_path):
+    a = write_synthetic_checkpoint(tmp_path / "a", seed=1)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    path = b / "model.manifest.json"
+    doc = json.loads(path.read_text())
+    doc["fingerprint"]["dtype"] = "float16"
+    doc["modules"][1]["state"] = "processed"
+    doc["modules"][2]["tensors"][0]["shape"] = [16]
+    removed = doc["modules"].pop(3)["path"]
+    path.write_text(json.dumps(doc))
+    result = diff_manifests(load_manifest(a)[0], load_manifest(b)[0])
+    assert not result.same
+    assert result.fingerprint == [("dtype", "bfloat16", "float16")]
+    assert result.layers_removed == [removed] and result.layers_added == []
+    changed = {(layer, what) for layer, what, _, _ in result.layers_changed}
+    assert ("model.layers.0.mlp.down_proj", "state") in changed
+    assert ("model.norm", "tensor weight shape") in changed
+
+    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["same"] is False and doc["layers_removed"] == [removed]
+    human = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b)], capture_output=True, text=True)
+    assert "fingerprint.dtype: 'bfloat16' -> 'float16'" in human.stdout and f"- {removed}" in human.stdout
+    same = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(a)], capture_output=True, text=True)
+    assert same.returncode == 0
+
+
+def test_diff_between_seeds_sees_hashes(tmp_path):
+    a = write_synthetic_checkpoint(tmp_path / "a", seed=1)
+    b = write_synthetic_checkpoint(tmp_path / "b", seed=2)
+    result = diff_manifests(load_manifest(a)[0], load_manifest(b)[0])
+    assert any(what == "tensor weight hash" for _, what, _, _ in result.layers_changed)
