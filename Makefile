@@ -19,3 +19,7 @@ test-quick: setup
 
 schema: setup
 	.venv/bin/tensorizer-manifest schema > schemas/manifest-v1.schema.json
+
+# Figures, not assertions: validation and hashing cost against the load itself.
+bench: setup
+	.venv/bin/python benchmarks/bench_validate.py
