@@ -6,11 +6,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import WORKER_EXTENSION
 from .tiny import DEMO_PROMPTS, build_tiny_model
 
 
-def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, **engine: Any):
-    """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start."""
+def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any):
+    """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start.
+
+    With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it.
+    """
     from vllm import LLM, SamplingParams
 
     from .save import shutdown
@@ -25,10 +29,13 @@ def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens
         max_num_seqs=1,
         seed=0,
         kv_cache_memory_bytes=64 << 20,
+        **({"worker_extension_cls": WORKER_EXTENSION} if report is not None else {}),
         **engine,
     )
     startup = time.perf_counter() - started
     try:
+        if report is not None:
+            report.update(llm.collective_rpc("tensorizer_manifest_report")[0] or {})
         outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         prompt_lengths = [len(o.prompt_token_ids) for o in outputs]
@@ -57,8 +64,18 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     manifest, manifest_path = load_manifest(out_dir)
     render(manifest, str(manifest_path), console)
 
-    tm_tokens, _, tm_start = generate_tokens(out_dir, "tensorizer_manifest", max_tokens)
+    report: dict = {}
+    tm_tokens, _, tm_start = generate_tokens(out_dir, "tensorizer_manifest", max_tokens, report=report)
     console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
+    laps = report.get("seconds", {})
+    console.print(
+        f"replay: vLLM's post-load step ran once on {len(report.get('post_load', []))} raw layer step(s); "
+        f"{len(report.get('restored', {}))} processed layer(s) restored without it"
+    )
+    console.print(
+        "load: " + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
+        + f"; {report.get('bytes_read', 0):,} bytes read, hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
+    )
 
     ok = tm_tokens == ref_tokens
     for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens)):
