@@ -49,6 +49,9 @@ def inspect(
         sys.stdout.buffer.write(as_json(manifest) + b"\n")
     else:
         render(manifest, str(manifest_path), console)
+        others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
+        if path.is_dir() and others:
+            console.print(f"(this directory holds {len(others) + 1} rank manifests; inspect the others by file: {', '.join(others)})")
 
 
 @app.command()
