@@ -9,6 +9,7 @@ pre-processing tensors are kept and it is saved ``raw``.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +41,16 @@ def is_plain(value: object) -> bool:
 
 
 def describe(value: object) -> str:
-    """A stable, readable type for a runtime attribute or kernel."""
-    if callable(value) and hasattr(value, "__code__"):
+    """A stable, readable type for a runtime attribute or kernel.
+
+    Python functions are named with their closure variables, which is what
+    tells vLLM's CPU GEMM closures apart (``[handler]`` is oneDNN, none is the
+    torch fallback); builtins such as ``F.linear`` by their own name.
+    """
+    if hasattr(value, "__code__"):
         free = ",".join(value.__code__.co_freevars)
         return f"{value.__module__}.{value.__qualname__}" + (f"[{free}]" if free else "")
-    if callable(value) and getattr(value, "__module__", None) and getattr(value, "__qualname__", None) and not hasattr(value, "__dict__"):
+    if isinstance(value, types.BuiltinFunctionType):
         return f"{value.__module__}.{value.__qualname__}"
     cls = type(value)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -59,7 +65,7 @@ def find_kernels(module: torch.nn.Module) -> list[KernelRecord]:
     """The objects a layer's forward dispatches to: kernels, scheme, attention impl, cpu_linear."""
     kernels: list[KernelRecord] = []
     for owner_name, owner in owners_of(module).items():
-        if owner_name.count(".") or owner_name == "layer":
+        if owner_name not in ("quant_method", "scheme"):
             continue
         for attr, value in vars(owner).items():
             if _is_kernel(value):

@@ -13,6 +13,7 @@ To support a new kernel, add a ``Restorer`` subclass and ``register`` it.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -176,7 +177,7 @@ def _run_raw_step(path: str, module: torch.nn.Module, model_config: Any, target_
 
     if quant:
         quant_method = module.quant_method
-        ctx = device_loading_context(module, target_device) if quant_method.requires_device_loading else _null()
+        ctx = device_loading_context(module, target_device) if quant_method.requires_device_loading else nullcontext()
         with ctx:
             quant_method.process_weights_after_loading(module)
         if hasattr(module, "update_param_tp_status"):
@@ -184,14 +185,6 @@ def _run_raw_step(path: str, module: torch.nn.Module, model_config: Any, target_
     else:
         with device_loading_context(module, target_device):
             module.process_weights_after_loading(model_config.dtype)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def replay_model(model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device) -> ReplayReport:

@@ -156,6 +156,8 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
         header = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
+    except RecursionError:
+        raise ManifestError(f"{source}: JSON nested too deeply to be a manifest") from None
     if isinstance(header, dict):
         version = header.get("format_version")
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:

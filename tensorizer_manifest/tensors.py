@@ -144,15 +144,23 @@ class TensorFileReader:
     def __post_init__(self) -> None:
         from tensorizer import TensorDeserializer
 
-        self._deserializer = TensorDeserializer(
-            str(self.path), device=self.device, lazy_load=True, verify_hash=False
-        )
+        try:
+            self._deserializer = TensorDeserializer(
+                str(self.path), device=self.device, lazy_load=True, verify_hash=False
+            )
+        except Exception as exc:
+            raise IntegrityError(f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})") from None
         self.keys = set(self._deserializer.keys())
 
     def read(self, key: str) -> torch.Tensor:
         if key not in self.keys:
             raise IntegrityError(f"{self.path.name}: tensor {key!r} named in the manifest is not in the file")
-        tensor = self._deserializer[key]
+        try:
+            tensor = self._deserializer[key]
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            raise IntegrityError(
+                f"{self.path.name}: tensor {key!r} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+            ) from None
         return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
 
     def close(self) -> None:

@@ -24,8 +24,8 @@ from .checkpoint import load_manifest
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError, TensorizerManifestError
 from .schema import Manifest, TensorRecord
 
-#: At most this many bytes at the start of a tensor file are covered by ``tensor_file.head_hash``.
-HEAD_BYTES = 1 << 20
+#: Bytes read at a time when hashing the non-data parts of a tensor file.
+_CHUNK = 1 << 20
 _ITEMSIZE = {
     "float64": 8, "int64": 8, "uint64": 8, "complex64": 8,
     "float32": 4, "int32": 4, "uint32": 4,
@@ -84,25 +84,40 @@ def full_name(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def index_end(index: dict) -> int:
-    """Where tensorizer's header and index end: the first tensor's own header."""
-    return min((entry[4] for entry in index.values()), default=HEAD_BYTES)
+def head_hash(path: Path, index: dict | None = None) -> str:
+    """blake3 of every byte of the file that is not tensor data.
 
-
-def head_hash(path: Path, end: int | None = None) -> str:
-    """blake3 of tensorizer's header and index (names, dtypes, shapes, offsets): binds the file cheaply."""
-    if end is None:
-        end = index_end(_read_index(path))
+    That is tensorizer's file header, its index and each tensor's own header
+    (names, dtypes, shapes, offsets, tensorizer's checksums): a few KiB per
+    tensor, so checking it costs little, and with the content hashes it covers
+    every byte of the file. It binds the manifest to this exact file.
+    """
+    if index is None:
+        index = _read_index(path)
+    spans = sorted((entry[2], entry[2] + entry[3]) for entry in index.values())
+    h = blake3.blake3()
+    size = path.stat().st_size
+    position = 0
     with open(path, "rb") as f:
-        return "blake3:" + blake3.blake3(f.read(max(0, min(end, HEAD_BYTES)))).hexdigest()
+        for start, end in [*spans, (size, size)]:
+            f.seek(position)
+            remaining = max(0, start - position)
+            while remaining:
+                chunk = f.read(min(remaining, _CHUNK))
+                if not chunk:
+                    break
+                h.update(chunk)
+                remaining -= len(chunk)
+            position = max(position, end)
+    return "blake3:" + h.hexdigest()
 
 
 def digest_records(ordered: list[tuple[str, TensorRecord]]) -> str:
+    """One hash over every record's full name and form (also of records that store nothing)."""
     h = blake3.blake3()
-    for name, record in ordered:
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(record.hash.encode())
+    for name, r in ordered:
+        form = (name, r.kind, r.dtype, r.shape, r.stride, r.storage_offset, r.nbytes, r.key, r.alias_of, r.hash)
+        h.update(repr(form).encode())
         h.update(b"\n")
     return "blake3:" + h.hexdigest()
 
@@ -112,12 +127,17 @@ def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
     name = manifest.tensor_file.path
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("~") or "\0" in name:
         raise ManifestError(f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory")
-    directory = manifest_path.parent.resolve()
-    path = manifest_path.parent / name
-    if path.is_symlink() and path.resolve().parent != directory:
-        raise ManifestError(f"{manifest_path}: tensor file {name!r} is a link out of the checkpoint directory")
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
+    try:
+        directory = manifest_path.parent.resolve()
+        path = manifest_path.parent / name
+        if path.is_symlink() and path.resolve().parent != directory:
+            raise ManifestError(f"{manifest_path}: tensor file {name!r} is a link out of the checkpoint directory")
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
+    except TensorizerManifestError:
+        raise
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise ManifestError(f"{manifest_path}: tensor file {name[:80]!r} cannot be used ({exc.strerror or exc})") from None
     return path
 
 
@@ -158,6 +178,7 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
     problems: list[Problem] = []
     where = str(manifest_path)
     names: set[str] = set()
+    records_by_name: dict[str, TensorRecord] = {}
     by_key: dict[str, TensorRecord] = {}
     ordered: list[tuple[str, TensorRecord]] = []
     paths: set[str] = set()
@@ -182,8 +203,13 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
             if record.alias_of is not None:
                 if record.key is not None:
                     problems.append(Problem(ManifestError, where, f"tensor {name!r} is an alias and cannot also be stored"))
-                if record.alias_of not in names or record.alias_of == name:
+                target = records_by_name.get(record.alias_of)
+                if target is None or record.alias_of == name:
                     problems.append(Problem(ManifestError, where, f"tensor {name!r} is an alias of {record.alias_of!r}, which is not recorded before it"))
+                elif (target.dtype, target.shape, target.stride, target.storage_offset, target.hash) != (
+                    record.dtype, record.shape, record.stride, record.storage_offset, record.hash
+                ):
+                    problems.append(Problem(ManifestError, where, f"tensor {name!r} differs in form or content from {record.alias_of!r}, the tensor it is an alias of"))
             elif record.key is not None:
                 if record.key in by_key:
                     problems.append(Problem(ManifestError, where, f"tensor file key {record.key!r} is used twice"))
@@ -191,6 +217,7 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
             elif record.nbytes:
                 problems.append(Problem(ManifestError, where, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key"))
             ordered.append((name, record))
+            records_by_name.setdefault(name, record)
     if digest_records(ordered) != manifest.tensor_file.digest:
         problems.append(Problem(IntegrityError, where, "the tensor records do not match the digest bound to the tensor file: the manifest was edited or belongs to another checkpoint; re-save it"))
     if len(by_key) != manifest.tensor_file.tensor_count:
@@ -220,8 +247,8 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
         index = _read_index(tensor_path)
     except Exception as exc:  # tensorizer raises many kinds on a damaged file
         return problems + [Problem(IntegrityError, where, f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): the file's header does not match the manifest")]
-    if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index_end(index)) != manifest.tensor_file.head_hash:
-        problems.append(Problem(IntegrityError, where, "the file's header does not match the manifest: it belongs to another checkpoint or is damaged"))
+    if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index) != manifest.tensor_file.head_hash:
+        problems.append(Problem(IntegrityError, where, "the file's header does not match the manifest (tensorizer's index or a tensor header differs): it belongs to another checkpoint or is damaged"))
     for key in sorted(set(by_key) - set(index)):
         problems.append(Problem(IntegrityError, where, f"tensor {key!r} is in the manifest but not in the file"))
     for key in sorted(set(index) - set(by_key)):

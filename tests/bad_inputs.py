@@ -47,8 +47,16 @@ def _edit(fn: Callable[[dict], None]) -> Callable[[Path], None]:
 
 
 def _stored(doc: dict) -> dict:
-    """The first stored tensor record with at least two dimensions."""
-    return next(t for m in doc["modules"] for t in m["tensors"] if t["key"] and len(t["shape"]) >= 2)
+    """The first stored tensor record with at least two dimensions that no alias points to."""
+    targets = {t["alias_of"] for m in doc["modules"] for t in m["tensors"] if t["alias_of"]}
+    return next(
+        t for m in doc["modules"] for t in m["tensors"]
+        if t["key"] and len(t["shape"]) >= 2 and (f"{m['path']}.{t['name']}" if m["path"] else t["name"]) not in targets
+    )
+
+
+#: Another dtype of the same item size, so only the dtype differs.
+_SAME_SIZE_DTYPE = {"bfloat16": "float16", "float16": "bfloat16", "float32": "int32", "int32": "float32", "int8": "uint8", "uint8": "int8"}
 
 
 def _write(data: bytes) -> Callable[[Path], None]:
@@ -160,8 +168,8 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("manifest-unknown-field", _edit(_set(["surprise"], 1)), "ManifestError", "unknown field `surprise`"),
     BadInput("manifest-wrong-type", _edit(_set(["modules"], "all")), "ManifestError", r"Expected `array`, got `str` - at `\$.modules`"),
     # tensor records
-    BadInput("record-changed-dtype", _edit(lambda doc: _stored(doc).update(dtype="float16" if _stored(doc)["dtype"] == "bfloat16" else "bfloat16")), "IntegrityError", "in the file,"),
-    BadInput("record-changed-shape", _edit(lambda doc: _stored(doc).update(shape=_stored(doc)["shape"][::-1])), "IntegrityError", "in the file,"),
+    BadInput("record-changed-dtype", _edit(lambda doc: _stored(doc).update(dtype=_SAME_SIZE_DTYPE[_stored(doc)["dtype"]])), "IntegrityError", "in the file,|digest"),
+    BadInput("record-changed-shape", _edit(lambda doc: _stored(doc).update(shape=_stored(doc)["shape"][::-1])), "IntegrityError", "in the file,|digest"),
     BadInput("record-negative-shape", _edit(lambda doc: _stored(doc).update(shape=[-1, *_stored(doc)["shape"][1:]])), "ManifestError", "negative shape"),
     BadInput("record-overflowing-shape", _edit(lambda doc: _stored(doc).update(shape=[2**40, 2**40])), "ManifestError", "describes more than"),
     BadInput("record-nbytes-mismatch", _edit(lambda doc: _stored(doc).update(nbytes=_stored(doc)["nbytes"] + 2)), "ManifestError", "nbytes"),
