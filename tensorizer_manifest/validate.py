@@ -94,9 +94,10 @@ def head_hash(path: Path, index: dict | None = None) -> str:
     """
     if index is None:
         index = _read_index(path)
-    spans = sorted((entry[2], entry[2] + entry[3]) for entry in index.values())
-    h = blake3.blake3()
     size = path.stat().st_size
+    # Clamped: a damaged index may claim offsets past the end (reported elsewhere); never seek there.
+    spans = sorted((min(max(entry[2], 0), size), min(max(entry[2] + entry[3], 0), size)) for entry in index.values())
+    h = blake3.blake3()
     position = 0
     with open(path, "rb") as f:
         for start, end in [*spans, (size, size)]:
