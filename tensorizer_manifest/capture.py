@@ -277,6 +277,13 @@ class Recorder:
     """Snapshots the whole model before the post-load step and classifies it after."""
 
     def __init__(self, model: torch.nn.Module):
+        from .errors import UnsupportedModelError
+
+        if hasattr(model, "process_weights_after_loading"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has a model-level post-load hook, whose effects no restorer "
+                "describes; tensorizer-manifest cannot save this model yet"
+            )
         self.model = model
         self._clones: dict[int, torch.Tensor] = {}
         self.before = {
