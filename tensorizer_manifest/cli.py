@@ -188,7 +188,7 @@ def save(
 @app.command()
 def demo(
     work_dir: Path = typer.Option(Path(".cache/demo"), help="Where the tiny model and checkpoint are kept (cached)."),
-    kind: str = typer.Option("w8a8-int8", help="Tiny model: w8a8-int8 (raw and processed layers), llama or qwen3-tied."),
+    kind: str = typer.Option("w8a8-int8", help="Tiny model: w8a8-int8 (raw and processed layers), llama, qwen3-tied or qwen2-bias."),
     max_tokens: int = typer.Option(16),
 ) -> None:
     """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Literal
 
-TinyKind = Literal["llama", "qwen3-tied", "w8a8-int8"]
-TINY_KINDS: tuple[TinyKind, ...] = ("llama", "qwen3-tied", "w8a8-int8")
+TinyKind = Literal["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias"]
+TINY_KINDS: tuple[TinyKind, ...] = ("llama", "qwen3-tied", "w8a8-int8", "qwen2-bias")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -72,6 +72,10 @@ def _config(kind: TinyKind, vocab_size: int):
         from transformers import Qwen3Config
 
         return Qwen3Config(head_dim=64, tie_word_embeddings=True, **common)
+    if kind == "qwen2-bias":  # q/k/v projections with biases
+        from transformers import Qwen2Config
+
+        return Qwen2Config(tie_word_embeddings=False, **common)
     from transformers import LlamaConfig
 
     return LlamaConfig(tie_word_embeddings=False, **common)

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-KINDS = ["llama", "qwen3-tied", "w8a8-int8"]
+KINDS = ["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
