@@ -198,8 +198,13 @@ class ManifestWorkerExtension:
         runner = getattr(self, "model_runner")
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    def save_tensorizer_manifest(self, output_dir: str) -> dict:
-        """Write this rank's tensor file and manifest into ``output_dir``."""
+    def save_tensorizer_manifest(self, output_dir: str, keep_capture: bool = False) -> dict:
+        """Write this rank's tensor file and manifest into ``output_dir``.
+
+        The capture holds a copy of every raw layer's pre-processing tensors; it
+        is released after the save (so an engine that goes on serving gets that
+        memory back) unless ``keep_capture`` asks to save again later.
+        """
         from .write import write_checkpoint
 
         model = self._tm_model()
@@ -210,6 +215,8 @@ class ManifestWorkerExtension:
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
         manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
+        if not keep_capture:
+            delattr(model, _CAPTURE_ATTR)
         raw = sum(1 for m in manifest.modules if m.state == "raw")
         return {
             "manifest": str(Path(output_dir) / (capture.stem + ".manifest.json")),
