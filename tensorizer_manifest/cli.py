@@ -1,8 +1,9 @@
-"""``tensorizer-manifest``: save, inspect, schema, demo.
+"""``tensorizer-manifest``: save, inspect, validate, diff, schema, demo.
 
 Known errors become one red line and exit code 1 (2 for usage errors, as
 click does); never a traceback. torch and vLLM are imported only by the
-commands that need them, so ``inspect`` and ``schema`` answer at once.
+commands that need them, so ``inspect`` and ``schema`` answer at once (click,
+not typer: typer imports pydantic for every invocation).
 """
 
 from __future__ import annotations
@@ -10,18 +11,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
-
-import typer
+import click
 from rich.console import Console
 
 from .errors import TensorizerManifestError
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Self-describing vLLM tensorizer checkpoints: save, inspect, load with load_format='tensorizer_manifest'.",
-)
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def app() -> None:
+    """Self-describing vLLM tensorizer checkpoints: save, inspect, validate, and load with
+    load_format='tensorizer_manifest'."""
 # Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
 _WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
 console = Console(width=_WIDTH)
@@ -30,14 +29,16 @@ err_console = Console(stderr=True, width=_WIDTH)
 
 def _fail(exc: BaseException) -> None:
     err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise SystemExit(1)
+
+
+_PATH = click.Path(path_type=Path)
 
 
 @app.command()
-def inspect(
-    path: Path = typer.Argument(..., help="A checkpoint directory or a *.manifest.json file."),
-    json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-) -> None:
+@click.argument("path", type=_PATH)
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def inspect(path: Path, json: bool) -> None:
     """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state."""
     from .inspect import as_json, load_manifest, render
 
@@ -55,16 +56,15 @@ def inspect(
 
 
 @app.command()
-def validate(
-    path: Path = typer.Argument(..., help="A checkpoint directory or a *.manifest.json file."),
-    json: bool = typer.Option(False, "--json", help="Machine-readable report."),
-    hashes: bool = typer.Option(True, "--hashes/--no-hashes", help="Read every tensor and check its content hash."),
-    dtype: Optional[str] = typer.Option(None, help="Also check the checkpoint suits an engine with this dtype."),
-    quantization: Optional[str] = typer.Option(None, help="... with this quantization ('none' for unquantized)."),
-    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", "-tp", help="... with this TP size."),
-    pipeline_parallel_size: Optional[int] = typer.Option(None, "--pipeline-parallel-size", "-pp", help="... with this PP size."),
-    engine: bool = typer.Option(False, "--engine", help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels."),
-) -> None:
+@click.argument("path", type=_PATH)
+@click.option("--json", "json", is_flag=True, help="Machine-readable report.")
+@click.option("--hashes/--no-hashes", default=True, help="Read every tensor and check its content hash.")
+@click.option("--dtype", default=None, help="Also check the checkpoint suits an engine with this dtype.")
+@click.option("--quantization", default=None, help="... with this quantization ('none' for unquantized).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="... with this TP size.")
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=None, help="... with this PP size.")
+@click.option("--engine", is_flag=True, help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels.")
+def validate(path: Path, json: bool, hashes: bool, dtype, quantization, tensor_parallel_size, pipeline_parallel_size, engine: bool) -> None:
     """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
     import msgspec
 
@@ -100,15 +100,14 @@ def validate(
             f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
             f"{report.stored} stored, {report.hashes_checked} content hashes checked"
         )
-    raise typer.Exit(1 if problems else 0)
+    raise SystemExit(1 if problems else 0)
 
 
 @app.command()
-def diff(
-    a: Path = typer.Argument(..., help="First checkpoint directory or manifest."),
-    b: Path = typer.Argument(..., help="Second checkpoint directory or manifest."),
-    json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-) -> None:
+@click.argument("a", type=_PATH)
+@click.argument("b", type=_PATH)
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def diff(a: Path, b: Path, json: bool) -> None:
     """What differs between two checkpoints; exit 0 when they are the same, 1 when they differ."""
     import msgspec
 
@@ -134,7 +133,7 @@ def diff(
             console.print(f"[green]+ {path}[/green]", highlight=False)
         for path, what, x, y in result.layers_changed:
             console.print(f"~ {path}: {what}: {x!r} -> {y!r}", highlight=False)
-    raise typer.Exit(0 if result.same else 1)
+    raise SystemExit(0 if result.same else 1)
 
 
 @app.command()
@@ -148,19 +147,22 @@ def schema() -> None:
 
 
 @app.command()
-def save(
-    src: str = typer.Argument(..., help="Anything vLLM accepts as a model; a local directory needs no network."),
-    out: Path = typer.Argument(..., help="Output directory: config, tokenizer, *.tensors and *.manifest.json."),
-    dtype: str = typer.Option("auto", help="Model dtype, as vLLM's --dtype."),
-    quantization: Optional[str] = typer.Option(None, help="As vLLM's --quantization."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp"),
-    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp"),
-    max_model_len: Optional[int] = typer.Option(None),
-    revision: Optional[str] = typer.Option(None),
-    trust_remote_code: bool = typer.Option(False),
-    cpu_gemm: str = typer.Option("auto", help="CPU only: 'fallback' keeps linear weights so those layers save processed."),
-) -> None:
-    """Load SRC with vLLM, observe its post-load step, and write a self-describing checkpoint to OUT."""
+@click.argument("src")
+@click.argument("out", type=_PATH)
+@click.option("--dtype", default="auto", show_default=True, help="Model dtype, as vLLM's --dtype.")
+@click.option("--quantization", default=None, help="As vLLM's --quantization.")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=1, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--revision", default=None)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--cpu-gemm", type=click.Choice(["auto", "fallback"]), default="auto", show_default=True,
+              help="CPU only: 'fallback' keeps linear weights so those layers save processed.")
+def save(src: str, out: Path, dtype, quantization, tensor_parallel_size, pipeline_parallel_size, max_model_len,
+         revision, trust_remote_code: bool, cpu_gemm: str) -> None:
+    """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
+    its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
+    *.manifest.json)."""
     from pydantic import ValidationError
 
     from .save import save_checkpoint
@@ -173,7 +175,7 @@ def save(
         )
     except ValidationError as exc:
         err_console.print(f"[red]error:[/red] invalid option: {exc}")
-        raise typer.Exit(2)
+        raise SystemExit(2)
     except TensorizerManifestError as exc:
         _fail(exc)
     for rank in result.ranks:
@@ -186,11 +188,12 @@ def save(
 
 
 @app.command()
-def demo(
-    work_dir: Path = typer.Option(Path(".cache/demo"), help="Where the tiny model and checkpoint are kept (cached)."),
-    kind: str = typer.Option("w8a8-int8", help="Tiny model: w8a8-int8 (raw and processed layers), llama, qwen3-tied or qwen2-bias."),
-    max_tokens: int = typer.Option(16),
-) -> None:
+@click.option("--work-dir", type=_PATH, default=Path(".cache/demo"), show_default=True,
+              help="Where the tiny model and checkpoint are kept (cached).")
+@click.option("--kind", type=click.Choice(["w8a8-int8", "llama", "qwen3-tied", "qwen2-bias"]), default="w8a8-int8",
+              show_default=True, help="Tiny model; w8a8-int8 has raw and processed layers.")
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+def demo(work_dir: Path, kind: str, max_tokens: int) -> None:
     """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
     from .demo import run_demo
 
@@ -198,11 +201,11 @@ def demo(
         ok = run_demo(work_dir, kind, max_tokens, console)
     except TensorizerManifestError as exc:
         _fail(exc)
-    raise typer.Exit(0 if ok else 1)
+    raise SystemExit(0 if ok else 1)
 
 
 def main() -> None:
-    app()
+    app(prog_name="tensorizer-manifest")
 
 
 if __name__ == "__main__":
