@@ -40,7 +40,8 @@ _PATH = click.Path(path_type=Path)
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
 def inspect(path: Path, json: bool) -> None:
     """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state."""
-    from .inspect import as_json, load_manifest, render
+    from .checkpoint import load_manifest
+    from .inspect import as_json, render
 
     try:
         manifest, manifest_path = load_manifest(path)

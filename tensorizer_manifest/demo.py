@@ -45,7 +45,8 @@ def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens
 
 
 def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
-    from .inspect import load_manifest, render
+    from .checkpoint import load_manifest
+    from .inspect import render
     from .save import save_checkpoint
 
     work_dir = Path(work_dir).resolve()

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import msgspec
 
-from .checkpoint import load_manifest  # noqa: F401  (the CLI's entry point)
 from .schema import Manifest, ModuleRecord
 
 def _short(qualified: str | None) -> str:

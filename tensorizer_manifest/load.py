@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from .capture import find_kernels, module_tensors
@@ -23,7 +21,6 @@ from .tensors import (
 
 def full_name(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
-
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
     """Compare a freshly built model with the manifest, layer by layer, before any weights are read."""
@@ -62,7 +59,6 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
             problems,
         )
 
-
 def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Module) -> list[tuple[str, object, object]]:
     fresh = module_tensors(module)
     saved = {t.name: t for t in record.tensors}
@@ -80,7 +76,6 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
         if unknown:
             problems.append((f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})"))
     return problems
-
 
 def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
@@ -115,7 +110,6 @@ def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFi
         _place(module, t, target)
     return total
 
-
 def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -> None:
     if record.kind == "parameter":
         existing = module._parameters.get(record.name)
@@ -128,7 +122,6 @@ def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -
     else:
         tensor = data
     _place(module, record, tensor)
-
 
 def _place(module: torch.nn.Module, record: TensorRecord, tensor: torch.Tensor) -> None:
     name = record.name

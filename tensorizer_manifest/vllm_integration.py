@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .errors import CompatibilityError, TensorizerManifestError, UnsupportedModelError
 
-from . import CAPTURE_LOAD_FORMAT, LOAD_FORMAT, WORKER_EXTENSION  # noqa: E402  (names live in __init__)
+from . import CAPTURE_LOAD_FORMAT, LOAD_FORMAT  # noqa: E402  (names live in __init__)
 
 #: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN).
 CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
