@@ -19,8 +19,10 @@ from .tensors import (
     qualified_class,
 )
 
+
 def full_name(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
+
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
     """Compare a freshly built model with the manifest, layer by layer, before any weights are read."""
@@ -59,6 +61,7 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
             problems,
         )
 
+
 def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Module) -> list[tuple[str, object, object]]:
     fresh = module_tensors(module)
     saved = {t.name: t for t in record.tensors}
@@ -76,6 +79,7 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
         if unknown:
             problems.append((f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})"))
     return problems
+
 
 def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
@@ -110,6 +114,7 @@ def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFi
         _place(module, t, target)
     return total
 
+
 def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -> None:
     if record.kind == "parameter":
         existing = module._parameters.get(record.name)
@@ -122,6 +127,7 @@ def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -
     else:
         tensor = data
     _place(module, record, tensor)
+
 
 def _place(module: torch.nn.Module, record: TensorRecord, tensor: torch.Tensor) -> None:
     name = record.name
