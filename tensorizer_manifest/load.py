@@ -9,6 +9,7 @@ import torch
 
 from .capture import find_kernels, module_tensors
 from .errors import CompatibilityError, IntegrityError
+from .validate import full_name
 from .schema import Manifest, ModuleRecord, TensorRecord
 from .tensors import (
     TensorFileReader,
@@ -18,10 +19,6 @@ from .tensors import (
     materialize,
     qualified_class,
 )
-
-
-def full_name(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
