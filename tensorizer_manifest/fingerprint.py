@@ -115,7 +115,7 @@ def needs_same_kernels(manifest: Manifest) -> bool:
     from .replay import RESTORERS
 
     for module in manifest.modules:
-        if module.state == "processed" and module.replay not in ("none",):
+        if module.state == "processed" and module.replay != "none":
             restorer = RESTORERS.get(module.replay)
             if restorer is None or not restorer.kernel_independent:
                 return True

@@ -172,7 +172,7 @@ class ReplayReport:
         return {"post_load": self.post_load, "restored": self.restored, "kernel_changes": self.kernel_changes}
 
 
-def _run_raw_step(path: str, module: torch.nn.Module, model_config: Any, target_device: torch.device, quant: bool) -> None:
+def _run_raw_step(module: torch.nn.Module, model_config: Any, target_device: torch.device, quant: bool) -> None:
     from vllm.model_executor.model_loader.utils import device_loading_context
 
     if quant:
@@ -203,7 +203,7 @@ def replay_model(model: torch.nn.Module, manifest: Manifest, model_config: Any, 
             raise ReplayError(f"layer {path!r} has a post-load step but no manifest record")
         if record.state == "raw":
             # Raw layers take each of vLLM's steps (quant method, then attention) once.
-            _run_raw_step(path, module, model_config, target_device, quant)
+            _run_raw_step(module, model_config, target_device, quant)
             report.post_load.append(f"{path}:{'quant_method' if quant else 'attention'}")
             return
         if path in done or record.replay == "none":

@@ -69,7 +69,6 @@ def main() -> None:
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-        from tensorizer_manifest.load import restore_tensors as _unused  # noqa: F401  (import before patching)
         from tensorizer_manifest import replay as replay_module
 
         patched = []
