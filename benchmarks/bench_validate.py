@@ -68,7 +68,11 @@ def bench_hashing(mb: int, repeat: int) -> None:
     cases = [
         ("hash_tensor (blake3, as the manifest uses it)", lambda: hash_tensor(tensor), "1"),
         ("blake3(max_threads=1)", lambda: blake3.blake3(data, max_threads=1).digest(), "1"),
-        ("blake3(max_threads=blake3.AUTO)", lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), f"up to {os.cpu_count()}"),
+        (
+            "blake3(max_threads=blake3.AUTO)",
+            lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(),
+            f"up to {os.cpu_count()}",
+        ),
         ("hashlib.sha256", lambda: hashlib.sha256(data).digest(), "1"),
         ("hashlib.blake2b", lambda: hashlib.blake2b(data).digest(), "1"),
     ]
@@ -131,8 +135,10 @@ def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
     stored = manifest.tensor_file.tensor_count
     report = validate_checkpoint(directory)
     assert report.ok, report.problems  # a benchmark of a failing validation would mean nothing
-    print(f"\n2. checkpoint of {size / MB:.0f} MB, {stored} stored tensors, written in {write_s:.1f} s "
-          f"(page cache warm; best of {repeat})")
+    print(
+        f"\n2. checkpoint of {size / MB:.0f} MB, {stored} stored tensors, written in {write_s:.1f} s "
+        f"(page cache warm; best of {repeat})"
+    )
     loaded = read_all(directory)
     rows = [
         ("validate_checkpoint(verify_hashes=False)", lambda: validate_checkpoint(directory, verify_hashes=False)),
@@ -147,20 +153,28 @@ def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
         rate = "-" if i == 0 else f"{loaded / seconds / GB:.2f}"  # metadata only reads no tensor bytes
         print(f"   {name:<48} {seconds:9.4f} {rate:>7} {seconds / load_s:8.3f}")
     meta = results[0][1]
-    print(f"   metadata-only validation: {meta * 1e3:.1f} ms ({meta / load_s:.1%} of the load); "
-          f"full validation: {results[1][1] / load_s:.2f}x the load")
+    print(
+        f"   metadata-only validation: {meta * 1e3:.1f} ms ({meta / load_s:.1%} of the load); "
+        f"full validation: {results[1][1] / load_s:.2f}x the load"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=int, default=256, help="MB of tensor bytes to hash and to write as a checkpoint (default 256)")
+    parser.add_argument(
+        "--mb", type=int, default=256, help="MB of tensor bytes to hash and to write as a checkpoint (default 256)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the best is shown (default 3)")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the checkpoint (default: a temporary directory)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"python {platform.python_version()}, torch {torch.__version__}, blake3 {blake3.__version__}, "
-          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, blake3 {blake3.__version__}, "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+    )
     start = time.perf_counter()
     bench_hashing(args.mb, args.repeat)
     workdir = Path(tempfile.mkdtemp(prefix="tm-bench-", dir=args.workdir))

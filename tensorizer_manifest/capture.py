@@ -21,11 +21,24 @@ from .tensors import plain_value
 # nn.Module bookkeeping that is not state of the layer.
 _MODULE_INTERNALS = frozenset(
     {
-        "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
-        "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
-        "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
-        "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+        "training",
+        "_parameters",
+        "_buffers",
+        "_non_persistent_buffers_set",
+        "_modules",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_is_full_backward_hook",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_compiled_call_impl",
     }
 )
 
@@ -179,7 +192,11 @@ class LayerDiff:
     @property
     def empty(self) -> bool:
         return not (
-            self.added_tensors or self.removed_tensors or self.changed_tensors or self.changed_attrs or self.removed_attrs
+            self.added_tensors
+            or self.removed_tensors
+            or self.changed_tensors
+            or self.changed_attrs
+            or self.removed_attrs
         )
 
     @property
@@ -239,12 +256,20 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
 
     diff = diff_snapshots(before, after)
     if diff.empty:
-        return CapturedLayer(path, module, "processed", "none", after.tensors, after.kernels, [], "post-load changed nothing")
+        return CapturedLayer(
+            path, module, "processed", "none", after.tensors, after.kernels, [], "post-load changed nothing"
+        )
     restorer, why_not = find_restorer(module, diff)
     if restorer is not None:
         return CapturedLayer(
-            path, module, "processed", restorer.name, after.tensors, after.kernels,
-            runtime_attrs(diff, restorer.name), f"restorer {restorer.name} rebuilds all the step created",
+            path,
+            module,
+            "processed",
+            restorer.name,
+            after.tensors,
+            after.kernels,
+            runtime_attrs(diff, restorer.name),
+            f"restorer {restorer.name} rebuilds all the step created",
         )
     # Tensors the step creates (e.g. int8's ``azp_adj``) are runtime state of a raw layer too.
     created = [
@@ -252,8 +277,14 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
         for name in sorted(diff.added_tensors)
     ]
     return CapturedLayer(
-        path, module, "raw", "post_load", before.tensors, after.kernels,
-        created + runtime_attrs(diff, "post_load"), why_not,
+        path,
+        module,
+        "raw",
+        "post_load",
+        before.tensors,
+        after.kernels,
+        created + runtime_attrs(diff, "post_load"),
+        why_not,
     )
 
 

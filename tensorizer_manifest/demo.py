@@ -10,7 +10,9 @@ from . import WORKER_EXTENSION
 from .tiny import DEMO_PROMPTS, build_tiny_model
 
 
-def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any):
+def generate_tokens(
+    model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any
+):
     """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start.
 
     With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it.
@@ -74,7 +76,8 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
         f"{len(report.get('restored', {}))} processed layer(s) restored without it"
     )
     console.print(
-        "load: " + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
+        "load: "
+        + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
         + f"; {report.get('bytes_read', 0):,} bytes read, hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
     )
 
@@ -82,5 +85,7 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens)):
         mark = "[green]match[/green]" if ref == got else "[red]DIFFER[/red]"
         console.print(f"prompt {i} ({prompt_len} tokens): {mark}\n  default : {ref}\n  manifest: {got}")
-    console.rule("[green]token-for-token identical to vLLM's default loader[/green]" if ok else "[red]tokens differ[/red]")
+    console.rule(
+        "[green]token-for-token identical to vLLM's default loader[/green]" if ok else "[red]tokens differ[/red]"
+    )
     return ok

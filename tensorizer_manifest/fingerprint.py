@@ -38,7 +38,12 @@ EXACT = (
 )
 PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability", "linear_backend", "moe_backend")
 INFORMATIONAL = (
-    "torch_version", "tensorizer_version", "data_parallel_size", "data_parallel_rank", "cpu_onednn", "revision",
+    "torch_version",
+    "tensorizer_version",
+    "data_parallel_size",
+    "data_parallel_rank",
+    "cpu_onednn",
+    "revision",
 )
 
 
@@ -49,9 +54,7 @@ def _quant_config_hash(model_config: Any) -> str | None:
     try:
         from vllm.model_executor.model_loader.weight_cache.protocol import _hash_quant_config
 
-        return _hash_quant_config(
-            quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config
-        )
+        return _hash_quant_config(quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config)
     except ImportError:  # pragma: no cover - older vLLM
         blob = json.dumps(quant_cfg, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()

@@ -8,11 +8,16 @@ import msgspec
 
 from .schema import Manifest, ModuleRecord
 
+
 def _short(qualified: str | None) -> str:
     if not qualified:
         return "-"
     head, _, rest = qualified.partition("[")
-    name = head.rsplit(".", 1)[-1] if "<lambda>" not in head else head.split(".<locals>")[0].rsplit(".", 1)[-1] + ".<lambda>"
+    name = (
+        head.rsplit(".", 1)[-1]
+        if "<lambda>" not in head
+        else head.split(".<locals>")[0].rsplit(".", 1)[-1] + ".<lambda>"
+    )
     return name + (f"[{rest}" if rest else "")
 
 

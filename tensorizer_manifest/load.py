@@ -9,7 +9,6 @@ import torch
 
 from .capture import find_kernels, module_tensors
 from .errors import CompatibilityError, IntegrityError
-from .validate import full_name
 from .schema import Manifest, ModuleRecord, TensorRecord
 from .tensors import (
     TensorFileReader,
@@ -19,6 +18,7 @@ from .tensors import (
     materialize,
     qualified_class,
 )
+from .validate import full_name
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
@@ -72,15 +72,21 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
         for name, t in saved.items():
             tensor = fresh[name][0]
             if t.dtype != dtype_name(tensor.dtype) or t.shape != list(tensor.shape):
-                problems.append((f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}"))
+                problems.append(
+                    (f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}")
+                )
     else:
         unknown = set(saved) - set(fresh)
         if unknown:
-            problems.append((f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})"))
+            problems.append(
+                (f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})")
+            )
     return problems
 
 
-def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True) -> int:
+def restore_tensors(
+    model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True
+) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
     Returns the number of bytes read.
@@ -98,7 +104,9 @@ def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFi
             if data is not None:
                 total += data.numel() * data.element_size()
                 if verify_hashes and hash_tensor(data) != t.hash:
-                    raise IntegrityError(f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged")
+                    raise IntegrityError(
+                        f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged"
+                    )
             _assign(module, t, materialize(t, data, name))
         if record.state == "processed":
             saved = {t.name for t in record.tensors}

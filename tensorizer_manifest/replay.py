@@ -98,7 +98,12 @@ class AttentionScalesRestorer(Restorer):
 
     name = "attention_scales"
     kernel_independent = True
-    _FLOATS = {"_q_scale_float": "_q_scale", "_k_scale_float": "_k_scale", "_v_scale_float": "_v_scale", "_prob_scale_float": "_prob_scale"}
+    _FLOATS = {
+        "_q_scale_float": "_q_scale",
+        "_k_scale_float": "_k_scale",
+        "_v_scale_float": "_v_scale",
+        "_prob_scale_float": "_prob_scale",
+    }
     _CPU_COPIES = {"_k_scale_cpu": "_k_scale", "_v_scale_cpu": "_v_scale"}
     _SCALE_BUFFERS = {"_q_scale", "_k_scale", "_v_scale", "_prob_scale"}
     _PLACEHOLDERS = {"q_scale", "k_scale", "v_scale", "prob_scale", "q_zero_point", "k_zero_point", "v_zero_point"}
@@ -187,7 +192,9 @@ def _run_raw_step(module: torch.nn.Module, model_config: Any, target_device: tor
             module.process_weights_after_loading(model_config.dtype)
 
 
-def replay_model(model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device) -> ReplayReport:
+def replay_model(
+    model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device
+) -> ReplayReport:
     """Run the post-load step once on raw layers, and restorers on processed ones, in vLLM's order."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase

@@ -21,7 +21,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 TENSORS_SUFFIX = ".tensors"
 
 #: JSON-safe values a manifest may carry for runtime attributes and Parameter attributes.
-PlainValue = Union[None, bool, int, float, str, list[Union[int, float]]]
+PlainValue = Union[None, bool, int, float, str, list[int | float]]
 
 LayerState = Literal["raw", "processed"]
 TensorKind = Literal["parameter", "buffer"]

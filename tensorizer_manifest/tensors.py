@@ -11,9 +11,9 @@ from the record.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import blake3
 import torch
@@ -28,9 +28,24 @@ from .validate import _PARAM_MODULES as _ALLOWED_PARAM_MODULES  # noqa: E402  (o
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
-        "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-        "uint16", "uint32", "uint64", "complex64",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "uint16",
+        "uint32",
+        "uint64",
+        "complex64",
     )
     if hasattr(torch, name)
 }
@@ -68,9 +83,7 @@ def plain_value(value: object) -> tuple[bool, PlainValue]:
     """Whether a value is one a manifest can carry, and its JSON form."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True, value  # type: ignore[return-value]
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-    ):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         return True, list(value)
     return False, None
 
@@ -149,7 +162,9 @@ class TensorFileReader:
                 str(self.path), device=self.device, lazy_load=True, verify_hash=False
             )
         except Exception as exc:
-            raise IntegrityError(f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})") from None
+            raise IntegrityError(
+                f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})"
+            ) from None
         self.keys = set(self._deserializer.keys())
 
     def read(self, key: str) -> torch.Tensor:

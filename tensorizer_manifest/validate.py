@@ -27,11 +27,24 @@ from .schema import Manifest, TensorRecord
 #: Bytes read at a time when hashing the non-data parts of a tensor file.
 _CHUNK = 1 << 20
 _ITEMSIZE = {
-    "float64": 8, "int64": 8, "uint64": 8, "complex64": 8,
-    "float32": 4, "int32": 4, "uint32": 4,
-    "float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2,
-    "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float64": 8,
+    "int64": 8,
+    "uint64": 8,
+    "complex64": 8,
+    "float32": 4,
+    "int32": 4,
+    "uint32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int16": 2,
+    "uint16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
 #: Modules whose Parameter classes a manifest may name (see ``tensors.param_class_from_name``).
 _PARAM_MODULES = ("torch.nn.parameter", "vllm.model_executor.parameter")
@@ -65,7 +78,11 @@ class ValidationReport:
     def raise_for_problems(self) -> None:
         if self.problems:
             first = self.problems[0]
-            more = f" (and {len(self.problems) - 1} more: " + "; ".join(map(str, self.problems[1:6])) + ")" if len(self.problems) > 1 else ""
+            more = (
+                f" (and {len(self.problems) - 1} more: " + "; ".join(map(str, self.problems[1:6])) + ")"
+                if len(self.problems) > 1
+                else ""
+            )
             raise first.kind(f"{first}{more}")
 
     def to_dict(self) -> dict:
@@ -127,7 +144,9 @@ def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
     """The tensor file: a plain name inside the checkpoint directory, no link out of it."""
     name = manifest.tensor_file.path
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("~") or "\0" in name:
-        raise ManifestError(f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory")
+        raise ManifestError(
+            f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory"
+        )
     try:
         directory = manifest_path.parent.resolve()
         path = manifest_path.parent / name
@@ -138,7 +157,9 @@ def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
     except TensorizerManifestError:
         raise
     except OSError as exc:  # e.g. a name longer than the file system allows
-        raise ManifestError(f"{manifest_path}: tensor file {name[:80]!r} cannot be used ({exc.strerror or exc})") from None
+        raise ManifestError(
+            f"{manifest_path}: tensor file {name[:80]!r} cannot be used ({exc.strerror or exc})"
+        ) from None
     return path
 
 
@@ -188,11 +209,25 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
             problems.append(Problem(ManifestError, where, f"module {module.path!r} is recorded twice"))
         paths.add(module.path)
         if module.state == "raw" and module.replay != "post_load":
-            problems.append(Problem(ManifestError, where, f"raw layer {module.path!r} must replay post_load, not {module.replay!r}"))
+            problems.append(
+                Problem(ManifestError, where, f"raw layer {module.path!r} must replay post_load, not {module.replay!r}")
+            )
         if module.replay not in known_replays():
-            problems.append(Problem(ManifestError, where, f"layer {module.path!r} names an unknown replay {module.replay!r}; upgrade tensorizer-manifest or re-save"))
+            problems.append(
+                Problem(
+                    ManifestError,
+                    where,
+                    f"layer {module.path!r} names an unknown replay {module.replay!r}; upgrade tensorizer-manifest or re-save",
+                )
+            )
         if module.state == "processed" and module.replay == "post_load":
-            problems.append(Problem(ManifestError, where, f"processed layer {module.path!r} cannot replay post_load (that would process it twice)"))
+            problems.append(
+                Problem(
+                    ManifestError,
+                    where,
+                    f"processed layer {module.path!r} cannot replay post_load (that would process it twice)",
+                )
+            )
         for record in module.tensors:
             name = full_name(module.path, record.name)
             if name in names:
@@ -203,26 +238,58 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
                 problems.append(Problem(ManifestError, where, f"tensor {name!r}: {bad}"))
             if record.alias_of is not None:
                 if record.key is not None:
-                    problems.append(Problem(ManifestError, where, f"tensor {name!r} is an alias and cannot also be stored"))
+                    problems.append(
+                        Problem(ManifestError, where, f"tensor {name!r} is an alias and cannot also be stored")
+                    )
                 target = records_by_name.get(record.alias_of)
                 if target is None or record.alias_of == name:
-                    problems.append(Problem(ManifestError, where, f"tensor {name!r} is an alias of {record.alias_of!r}, which is not recorded before it"))
+                    problems.append(
+                        Problem(
+                            ManifestError,
+                            where,
+                            f"tensor {name!r} is an alias of {record.alias_of!r}, which is not recorded before it",
+                        )
+                    )
                 elif (target.dtype, target.shape, target.stride, target.storage_offset, target.hash) != (
-                    record.dtype, record.shape, record.stride, record.storage_offset, record.hash
+                    record.dtype,
+                    record.shape,
+                    record.stride,
+                    record.storage_offset,
+                    record.hash,
                 ):
-                    problems.append(Problem(ManifestError, where, f"tensor {name!r} differs in form or content from {record.alias_of!r}, the tensor it is an alias of"))
+                    problems.append(
+                        Problem(
+                            ManifestError,
+                            where,
+                            f"tensor {name!r} differs in form or content from {record.alias_of!r}, the tensor it is an alias of",
+                        )
+                    )
             elif record.key is not None:
                 if record.key in by_key:
                     problems.append(Problem(ManifestError, where, f"tensor file key {record.key!r} is used twice"))
                 by_key[record.key] = record
             elif record.nbytes:
-                problems.append(Problem(ManifestError, where, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key"))
+                problems.append(
+                    Problem(ManifestError, where, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
+                )
             ordered.append((name, record))
             records_by_name.setdefault(name, record)
     if digest_records(ordered) != manifest.tensor_file.digest:
-        problems.append(Problem(IntegrityError, where, "the tensor records do not match the digest bound to the tensor file: the manifest was edited or belongs to another checkpoint; re-save it"))
+        problems.append(
+            Problem(
+                IntegrityError,
+                where,
+                "the tensor records do not match the digest bound to the tensor file: the manifest was edited or belongs to another checkpoint; re-save it",
+            )
+        )
     if len(by_key) != manifest.tensor_file.tensor_count:
-        problems.append(Problem(IntegrityError, where, f"{len(by_key)} stored tensors recorded, the manifest's tensor file entry says {manifest.tensor_file.tensor_count}"))
+        problems.append(
+            Problem(
+                IntegrityError,
+                where,
+                f"{len(by_key)} stored tensors recorded, the manifest's tensor file entry says {manifest.tensor_file.tensor_count}",
+            )
+        )
     return problems, by_key
 
 
@@ -240,16 +307,36 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
     where = str(tensor_path)
     size = tensor_path.stat().st_size
     if size != manifest.tensor_file.size:
-        return [Problem(IntegrityError, where, f"{size} bytes, the manifest says {manifest.tensor_file.size}: the file is truncated, padded or from another save")]
+        return [
+            Problem(
+                IntegrityError,
+                where,
+                f"{size} bytes, the manifest says {manifest.tensor_file.size}: the file is truncated, padded or from another save",
+            )
+        ]
     total = sum(r.nbytes for r in by_key.values())
     if total > size:
-        return problems + [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
+        return problems + [
+            Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")
+        ]
     try:
         index = _read_index(tensor_path)
     except Exception as exc:  # tensorizer raises many kinds on a damaged file
-        return problems + [Problem(IntegrityError, where, f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): the file's header does not match the manifest")]
+        return problems + [
+            Problem(
+                IntegrityError,
+                where,
+                f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): the file's header does not match the manifest",
+            )
+        ]
     if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index) != manifest.tensor_file.head_hash:
-        problems.append(Problem(IntegrityError, where, "the file's header does not match the manifest (tensorizer's index or a tensor header differs): it belongs to another checkpoint or is damaged"))
+        problems.append(
+            Problem(
+                IntegrityError,
+                where,
+                "the file's header does not match the manifest (tensorizer's index or a tensor header differs): it belongs to another checkpoint or is damaged",
+            )
+        )
     for key in sorted(set(by_key) - set(index)):
         problems.append(Problem(IntegrityError, where, f"tensor {key!r} is in the manifest but not in the file"))
     for key in sorted(set(index) - set(by_key)):
@@ -259,11 +346,25 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
         record = by_key[key]
         dtype, shape, offset, length, _ = index[key]
         if dtype != record.dtype or shape != record.shape:
-            problems.append(Problem(IntegrityError, where, f"tensor {key!r} is {dtype}{shape} in the file, {record.dtype}{record.shape} in the manifest"))
+            problems.append(
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} is {dtype}{shape} in the file, {record.dtype}{record.shape} in the manifest",
+                )
+            )
         if length != record.nbytes:
-            problems.append(Problem(IntegrityError, where, f"tensor {key!r} has {length} bytes in the file, {record.nbytes} in the manifest"))
+            problems.append(
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} has {length} bytes in the file, {record.nbytes} in the manifest",
+                )
+            )
         if offset < 0 or offset + length > size:
-            problems.append(Problem(IntegrityError, where, f"tensor {key!r} lies outside the file ({offset}+{length} > {size})"))
+            problems.append(
+                Problem(IntegrityError, where, f"tensor {key!r} lies outside the file ({offset}+{length} > {size})")
+            )
         spans.append((offset, offset + length, key))
     spans.sort()
     for (s1, e1, k1), (s2, e2, k2) in zip(spans, spans[1:]):
@@ -284,7 +385,13 @@ def _read_index(tensor_path: Path) -> dict[str, tuple[str, list[int], int, int, 
         index = {}
         for key, entry in deserializer._metadata.items():
             name = key if isinstance(key, str) else ".".join(entry.name)
-            index[name] = (_torch_dtype_name(entry.dtype), list(entry.shape), int(entry.data_offset), int(entry.data_length), int(entry.offset))
+            index[name] = (
+                _torch_dtype_name(entry.dtype),
+                list(entry.shape),
+                int(entry.data_offset),
+                int(entry.data_length),
+                int(entry.offset),
+            )
         return index
     finally:
         deserializer.close()
@@ -312,7 +419,14 @@ def validate_checkpoint(path: str | Path, *, verify_hashes: bool = True) -> Vali
     try:
         tensor_path = resolve_tensor_file(manifest, manifest_path)
     except TensorizerManifestError as exc:
-        return ValidationReport(manifest_path, None, records, len(by_key), 0, tuple(problems) + (Problem(type(exc), str(manifest_path), str(exc)),))
+        return ValidationReport(
+            manifest_path,
+            None,
+            records,
+            len(by_key),
+            0,
+            tuple(problems) + (Problem(type(exc), str(manifest_path), str(exc)),),
+        )
     problems += check_tensor_file(manifest, tensor_path, by_key)
     checked = 0
     if verify_hashes and not problems:
@@ -328,17 +442,29 @@ def _check_hashes(tensor_path: Path, by_key: dict[str, TensorRecord]) -> tuple[l
     try:
         reader = TensorFileReader(tensor_path)
     except Exception as exc:
-        return [Problem(IntegrityError, str(tensor_path), f"tensorizer cannot open the file ({type(exc).__name__}: {exc})")], 0
+        return [
+            Problem(IntegrityError, str(tensor_path), f"tensorizer cannot open the file ({type(exc).__name__}: {exc})")
+        ], 0
     try:
         for key, record in by_key.items():
             try:
                 tensor = reader.read(key)
             except Exception as exc:
-                problems.append(Problem(IntegrityError, str(tensor_path), f"tensor {key!r} cannot be read ({type(exc).__name__}: {exc})"))
+                problems.append(
+                    Problem(
+                        IntegrityError, str(tensor_path), f"tensor {key!r} cannot be read ({type(exc).__name__}: {exc})"
+                    )
+                )
                 continue
             checked += 1
             if hash_tensor(tensor) != record.hash:
-                problems.append(Problem(IntegrityError, str(tensor_path), f"tensor {key!r}: content hash does not match the manifest (the data is damaged)"))
+                problems.append(
+                    Problem(
+                        IntegrityError,
+                        str(tensor_path),
+                        f"tensor {key!r}: content hash does not match the manifest (the data is damaged)",
+                    )
+                )
     finally:
         reader.close()
     return problems, checked
@@ -375,8 +501,11 @@ def check_engine_settings(
     if pipeline_parallel_size is not None:
         wanted.append(("pipeline_parallel_size", fp.pipeline_parallel_size, pipeline_parallel_size))
     return [
-        Problem(CompatibilityError, str(manifest_path),
-                f"saved with {name}={saved!r}, the engine would use {current!r}: start vLLM with the saved setting or re-save the checkpoint")
+        Problem(
+            CompatibilityError,
+            str(manifest_path),
+            f"saved with {name}={saved!r}, the engine would use {current!r}: start vLLM with the saved setting or re-save the checkpoint",
+        )
         for name, saved, current in wanted
         if saved != current
     ]

@@ -22,9 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .errors import CompatibilityError, TensorizerManifestError, UnsupportedModelError
-
 from . import CAPTURE_LOAD_FORMAT, LOAD_FORMAT  # noqa: E402  (names live in __init__)
+from .errors import CompatibilityError, TensorizerManifestError, UnsupportedModelError
 
 #: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN).
 CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
@@ -92,20 +91,18 @@ class ManifestModelLoader(BaseModelLoader):
         return None
 
     def load_weights(self, model, model_config) -> None:
-        raise UnsupportedModelError(
-            f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported"
-        )
+        raise UnsupportedModelError(f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported")
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from .fingerprint import check_compatible, engine_fingerprint
         from .checkpoint import find_manifest, read_manifest
+        from .fingerprint import check_compatible, engine_fingerprint
         from .load import check_model, restore_tensors
-        from .validate import check_files
         from .replay import replay_model
         from .tensors import TensorFileReader
+        from .validate import check_files
 
         clock = _Clock()
         options = _load_options(self.load_config)
@@ -134,12 +131,20 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("read_tensors")
             report = replay_model(model, manifest, model_config, target_device)
             clock.lap("replay")
-        setattr(model, _REPORT_ATTR, {**report.to_dict(), "bytes_read": nbytes, "verify_hashes": options.verify_hashes, "seconds": clock.laps})
+        setattr(
+            model,
+            _REPORT_ATTR,
+            {**report.to_dict(), "bytes_read": nbytes, "verify_hashes": options.verify_hashes, "seconds": clock.laps},
+        )
         logger.info(
             "tensorizer_manifest: loaded %s (%d raw layer steps run once, %d processed layers restored) in %.2fs",
-            manifest_path, len(report.post_load), len(report.restored), sum(clock.laps.values()),
+            manifest_path,
+            len(report.post_load),
+            len(report.restored),
+            sum(clock.laps.values()),
         )
         return model.eval()
+
 
 class CaptureModelLoader(DefaultModelLoader):
     """vLLM's default loader, with the post-load step observed so the engine can save itself."""
@@ -158,7 +163,9 @@ class CaptureModelLoader(DefaultModelLoader):
 
         original = getattr(base_loader, "process_weights_after_loading", None)
         if original is None:
-            raise UnsupportedModelError("this vLLM's BaseModelLoader has no process_weights_after_loading step to observe")
+            raise UnsupportedModelError(
+                "this vLLM's BaseModelLoader has no process_weights_after_loading step to observe"
+            )
         holder: dict[str, Any] = {}
         fingerprint = engine_fingerprint(vllm_config, _model_class_name(model_config))
 
@@ -195,7 +202,7 @@ class ManifestWorkerExtension:
     """Worker methods, reached with ``llm.collective_rpc(name, args=...)``."""
 
     def _tm_model(self) -> torch.nn.Module:
-        runner = getattr(self, "model_runner")
+        runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def save_tensorizer_manifest(self, output_dir: str, keep_capture: bool = False) -> dict:

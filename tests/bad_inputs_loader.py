@@ -45,8 +45,16 @@ def main() -> None:
         entry = {"error": None, "message": None, "tokens": None, "raised": None}
         llm = None
         try:
-            llm = LLM(model=str(d), load_format="tensorizer_manifest", dtype="bfloat16", enforce_eager=True,
-                      max_model_len=128, max_num_seqs=1, seed=0, kv_cache_memory_bytes=64 << 20)
+            llm = LLM(
+                model=str(d),
+                load_format="tensorizer_manifest",
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=128,
+                max_num_seqs=1,
+                seed=0,
+                kv_cache_memory_bytes=64 << 20,
+            )
             out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             entry["tokens"] = list(out[0].outputs[0].token_ids)
         except BaseException as exc:  # noqa: BLE001

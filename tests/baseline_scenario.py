@@ -31,8 +31,15 @@ def main() -> None:
         if mode == "native":
             from vllm import LLM
 
-            llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1,
-                      seed=0, kv_cache_memory_bytes=64 << 20)
+            llm = LLM(
+                model=model_dir,
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=128,
+                max_num_seqs=1,
+                seed=0,
+                kv_cache_memory_bytes=64 << 20,
+            )
             try:
                 llm.collective_rpc("save_tensorized_model", kwargs={"tensorizer_config": {"tensorizer_uri": path}})
             except Exception as exc:  # the extra-artifact download fails offline; the tensors are written first

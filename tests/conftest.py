@@ -28,7 +28,11 @@ def run_script(script: str, *args: str, marker: str, timeout: int = 900) -> dict
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     proc = subprocess.run(
         [sys.executable, str(TESTS / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(marker + " "):
@@ -55,7 +59,9 @@ class Scenarios:
     def baseline(self, kind: str, mode: str) -> dict:
         key = ("baseline", kind, mode)
         if key not in self._cache:
-            self._cache[key] = run_script("baseline_scenario.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT")
+            self._cache[key] = run_script(
+                "baseline_scenario.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT"
+            )
         return self._cache[key]
 
 

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-
 from bad_inputs import BAD_INPUTS
 from synthetic import FINGERPRINT, write_synthetic_checkpoint
+
 from tensorizer_manifest import errors
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.validate import check_engine_settings, check_files, validate_checkpoint
@@ -69,29 +69,46 @@ def test_validate_with_engine_settings_refuses(pristine, tmp_path, case):
     d = _damaged(pristine, tmp_path, case)
     assert validate_checkpoint(d).ok  # nothing is wrong with the files themselves
     problems = check_engine_settings(
-        next(d.glob("*.manifest.json")), dtype=FINGERPRINT.dtype, quantization="none",
+        next(d.glob("*.manifest.json")),
+        dtype=FINGERPRINT.dtype,
+        quantization="none",
         tensor_parallel_size=FINGERPRINT.tensor_parallel_size,
     )
     assert [p.kind.__name__ for p in problems] == [case.error]
     assert re.search(case.gist, str(problems[0]))
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c.name in ("tensor-data-flipped", "manifest-not-json", "path-absolute")], ids=str)
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_INPUTS if c.name in ("tensor-data-flipped", "manifest-not-json", "path-absolute")], ids=str
+)
 def test_validate_cli_one_line_per_problem_and_exit_1(pristine, tmp_path, case):
     d = _damaged(pristine, tmp_path, case)
-    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True, env={"COLUMNS": "300", "PATH": ""})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "300", "PATH": ""},
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and case.error in proc.stderr
-    as_json = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--json"], capture_output=True, text=True)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--json"], capture_output=True, text=True
+    )
     assert as_json.returncode == 1
     doc = json.loads(as_json.stdout)
     assert doc["ok"] is False and any(p["error"] == case.error for p in doc["problems"])
 
 
 def test_validate_cli_exit_codes(pristine, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(pristine)], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(pristine)], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
-    usage = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", "--no-such-flag", str(pristine)], capture_output=True, text=True)
+    usage = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", "--no-such-flag", str(pristine)],
+        capture_output=True,
+        text=True,
+    )
     assert usage.returncode == 2
 
 
@@ -120,9 +137,15 @@ def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
     d = tmp_path / "ckpt"
     shutil.copytree(scenarios.e2e("llama")["checkpoint"], d)
     case.mutate(d)
-    offline = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True)
+    offline = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True
+    )
     assert offline.returncode == 0, offline.stderr  # the files are fine
-    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--engine", "--json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--engine", "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert [p["error"] for p in doc["problems"]] == ["CompatibilityError"]

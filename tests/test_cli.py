@@ -73,8 +73,12 @@ def test_inspect_damaged_manifest(tmp_path):
 
 
 def test_save_of_a_missing_model_is_one_clear_line(tmp_path):
-    proc = subprocess.run([*CLI, "save", str(tmp_path / "no-model"), str(tmp_path / "out")], capture_output=True, text=True,
-                          env={"PATH": "", "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [*CLI, "save", str(tmp_path / "no-model"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 1
     assert "not a local directory and not in the Hugging Face cache" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -85,8 +89,11 @@ def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path
 
     src = build_tiny_model(e2e_dir / "tiny-llama", "llama")
     out = tmp_path / "saved"
-    proc = subprocess.run([*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "tokenizer.json", "model.manifest.json"} <= names

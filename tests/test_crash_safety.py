@@ -110,7 +110,7 @@ class Zygote:
         self.proc.stdin.flush()
         return self._readline()
 
-    def spawn(self, out: Path) -> "Saver":
+    def spawn(self, out: Path) -> Saver:
         pid = int(self._ask(f"spawn {out} {SCALE}"))
 
         def kill() -> int:
@@ -131,11 +131,9 @@ class Zygote:
         self.proc.stdout.close()
 
 
-def spawn_plain(out: Path) -> "Saver":
+def spawn_plain(out: Path) -> Saver:
     """``python tests/synthetic.py OUT SCALE`` in a fresh interpreter."""
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, str(out), SCALE], cwd=ROOT, stdout=subprocess.DEVNULL
-    )
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(out), SCALE], cwd=ROOT, stdout=subprocess.DEVNULL)
 
     def kill() -> int:
         proc.send_signal(signal.SIGKILL)
@@ -313,12 +311,18 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         assert not others, f"kill at {info}: unexpected files {others}"
         report = validate_checkpoint(out)
         if (out / MANIFEST).exists():
-            assert report.ok, f"kill at {info}: a manifest is in place but the checkpoint is not valid: {report.problems}"
+            assert report.ok, (
+                f"kill at {info}: a manifest is in place but the checkpoint is not valid: {report.problems}"
+            )
             seed = references.seed_of_manifest(out / MANIFEST)
             assert seed is not None and seed >= 1, f"kill at {info}: the manifest is not one the saver writes whole"
             tensor_name = read_manifest(out / MANIFEST).tensor_file.path
             extra = [n for n in orphans if n != tensor_name]
-            outcome = f"complete (save {seed})" + (" + unreferenced .tensors" if extra else "") + (" + .tmp" if hidden else "")
+            outcome = (
+                f"complete (save {seed})"
+                + (" + unreferenced .tensors" if extra else "")
+                + (" + .tmp" if hidden else "")
+            )
         else:
             assert not report.ok
             assert [p.kind for p in report.problems] == [CheckpointNotFoundError], report.problems
@@ -332,12 +336,16 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         shutil.rmtree(out)
     print("\nfirst save, kill points -> outcome:")
     for info, outcome in details:
-        print(f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}")
+        print(
+            f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+        )
     print("outcomes:", dict(outcomes))
     assert sum(n for k, n in outcomes.items() if k.startswith("no manifest")) >= 1, outcomes
     assert sum(n for k, n in outcomes.items() if k.startswith("complete")) >= 1, outcomes
     # Killing after the temporary tensor file exists but before the commit must have been exercised.
-    assert any(o.startswith("no manifest") and i["reached"] in ("tmp", "tensors", "manifest_tmp") for i, o in details), details
+    assert any(
+        o.startswith("no manifest") and i["reached"] in ("tmp", "tensors", "manifest_tmp") for i, o in details
+    ), details
 
 
 # Kill points for a save over a good checkpoint.
@@ -396,7 +404,11 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
             references.check_complete_tensor_file(out / name)
         others = set(os.listdir(out)) - set(tensors) - set(hidden) - {MANIFEST, "config.json"}
         assert not others, f"kill at {info}: unexpected files {others}"
-        outcome = ("old" if is_old else f"new (save {seed})") + (" + unreferenced .tensors" if extra else "") + (" + .tmp" if hidden else "")
+        outcome = (
+            ("old" if is_old else f"new (save {seed})")
+            + (" + unreferenced .tensors" if extra else "")
+            + (" + .tmp" if hidden else "")
+        )
         outcomes[outcome] += 1
         details.append((info, outcome))
         if last is not None:
@@ -404,7 +416,9 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
         last = out
     print("\nsave over a good checkpoint, kill points -> outcome:")
     for info, outcome in details:
-        print(f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}")
+        print(
+            f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+        )
     print("outcomes:", dict(outcomes))
     assert any(o.startswith("old") for o in outcomes), outcomes
     assert any(o.startswith("new") for o in outcomes), outcomes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_script
 
 pytestmark = pytest.mark.e2e

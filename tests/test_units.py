@@ -30,10 +30,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_public_api_is_what_was_meant():
     assert set(tm.__all__) == {
-        "__version__", "FORMAT_VERSION", "LOAD_FORMAT", "CAPTURE_LOAD_FORMAT", "WORKER_EXTENSION", "Manifest",
-        "save_checkpoint", "read_manifest", "decode_manifest", "encode_manifest", "json_schema",
-        "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
-        "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
+        "__version__",
+        "FORMAT_VERSION",
+        "LOAD_FORMAT",
+        "CAPTURE_LOAD_FORMAT",
+        "WORKER_EXTENSION",
+        "Manifest",
+        "save_checkpoint",
+        "read_manifest",
+        "decode_manifest",
+        "encode_manifest",
+        "json_schema",
+        "TensorizerManifestError",
+        "ManifestError",
+        "ManifestVersionError",
+        "CheckpointNotFoundError",
+        "IntegrityError",
+        "CompatibilityError",
+        "UnsupportedModelError",
+        "ReplayError",
     }
     for name in tm.__all__:
         assert hasattr(tm, name), name
@@ -44,8 +59,14 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.ManifestVersionError, tm.ManifestError)
     assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(tm.ReplayError, RuntimeError)
-    for name in ("ManifestError", "CheckpointNotFoundError", "IntegrityError", "CompatibilityError",
-                 "UnsupportedModelError", "ReplayError"):
+    for name in (
+        "ManifestError",
+        "CheckpointNotFoundError",
+        "IntegrityError",
+        "CompatibilityError",
+        "UnsupportedModelError",
+        "ReplayError",
+    ):
         assert issubclass(getattr(tm, name), tm.TensorizerManifestError)
 
 
