@@ -35,7 +35,8 @@ import blake3  # noqa: E402
 import torch  # noqa: E402
 
 from tensorizer_manifest.capture import Capture, CapturedLayer, TensorSlot  # noqa: E402
-from tensorizer_manifest.tensors import TensorFileReader, hash_tensor, tensor_bytes  # noqa: E402
+from tensorizer_manifest.tensor_file import TensorFileReader  # noqa: E402
+from tensorizer_manifest.tensors import hash_tensor, tensor_bytes  # noqa: E402
 from tensorizer_manifest.validate import validate_checkpoint  # noqa: E402
 from tensorizer_manifest.write import write_checkpoint  # noqa: E402
 
@@ -86,7 +87,7 @@ def bench_hashing(mb: int, repeat: int) -> None:
 
 def big_capture(mb: int) -> Capture:
     """Layers of bfloat16 [rows, 4096] weights (and a float32 scale each), about ``mb`` MB in all."""
-    from synthetic import FINGERPRINT
+    from helpers.synthetic import FINGERPRINT
 
     per_layer = 32 * MB  # a 4096 x 4096 bfloat16 matrix
     n_layers = max(1, round(mb * MB / per_layer))

@@ -112,7 +112,7 @@ def validate(
     if json:
         doc = report.to_dict()
         doc["ok"] = not problems
-        doc["problems"] = [{"error": p.kind.__name__, "where": p.where, "message": p.message} for p in problems]
+        doc["problems"] = [p.to_dict() for p in problems]
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
     elif problems:
         for problem in problems:
@@ -200,8 +200,7 @@ def save(
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json)."""
-    from pydantic import ValidationError
-
+    from .errors import ConfigurationError
     from .save import save_checkpoint
 
     try:
@@ -217,9 +216,9 @@ def save(
             trust_remote_code=trust_remote_code,
             cpu_gemm=cpu_gemm,
         )
-    except ValidationError as exc:
-        err_console.print(f"[red]error:[/red] invalid option: {exc}")
-        raise SystemExit(2)
+    except ConfigurationError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
     except TensorizerManifestError as exc:
         _fail(exc)
     for rank in result.ranks:

@@ -6,7 +6,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import WORKER_EXTENSION
+from ._constants import LOAD_FORMAT, WORKER_EXTENSION
+from .checkpoint import load_manifest
+from .inspect import render
+from .save import save_checkpoint, shutdown
 from .tiny import DEMO_PROMPTS, build_tiny_model
 
 
@@ -18,8 +21,6 @@ def generate_tokens(
     With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it.
     """
     from vllm import LLM, SamplingParams
-
-    from .save import shutdown
 
     started = time.perf_counter()
     llm = LLM(
@@ -47,10 +48,6 @@ def generate_tokens(
 
 
 def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
-    from .checkpoint import load_manifest
-    from .inspect import render
-    from .save import save_checkpoint
-
     work_dir = Path(work_dir).resolve()
     t0 = time.perf_counter()
     model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
@@ -68,7 +65,7 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     render(manifest, str(manifest_path), console)
 
     report: dict = {}
-    tm_tokens, _, tm_start = generate_tokens(out_dir, "tensorizer_manifest", max_tokens, report=report)
+    tm_tokens, _, tm_start = generate_tokens(out_dir, LOAD_FORMAT, max_tokens, report=report)
     console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
     laps = report.get("seconds", {})
     console.print(

@@ -10,7 +10,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ._constants import LOAD_FORMAT
+from .checkpoint import read_manifest
 from .errors import TensorizerManifestError
+from .fingerprint import check_compatible, engine_fingerprint
+from .load import check_model
 from .validate import Problem
 
 
@@ -23,12 +27,6 @@ def check_against_engine(
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from . import LOAD_FORMAT
-    from .checkpoint import read_manifest
-    from .fingerprint import check_compatible, engine_fingerprint
-    from .load import check_model
-    from .vllm_integration import _model_class_name
 
     manifest = read_manifest(manifest_path)
     fp = manifest.fingerprint
@@ -56,9 +54,7 @@ def check_against_engine(
         initialize_model_parallel(1, 1)
         model_config = vllm_config.model_config
         try:
-            check_compatible(
-                fp, engine_fingerprint(vllm_config, _model_class_name(model_config)), manifest, str(manifest_path)
-            )
+            check_compatible(fp, engine_fingerprint(vllm_config), manifest, str(manifest_path))
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config)
             check_model(manifest, model)

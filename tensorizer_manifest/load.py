@@ -1,30 +1,24 @@
-"""Load side: check the manifest against a freshly built model, then restore tensors exactly.
+"""Load side: check the manifest against a freshly built model, then restore its tensors exactly.
 
-``check_model`` (and ``validate.check_files`` before it) run before a byte of weights is read.
+``check_model`` (and ``validate.check_files`` before it) run before a byte of
+weights is read; ``restore_tensors`` then puts every recorded tensor into the
+model with its dtype, layout, Parameter class and ties. Replay comes after
+(``replay``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .capture import find_kernels, module_tensors
 from .errors import CompatibilityError, IntegrityError
-from .schema import Manifest, ModuleRecord, TensorRecord
-from .tensors import (
-    TensorFileReader,
-    dtype_name,
-    hash_tensor,
-    make_parameter,
-    materialize,
-    qualified_class,
-)
-from .validate import full_name
+from .layers import find_kernels, has_post_load, module_tensors
+from .schema import Manifest, ModuleRecord, TensorRecord, full_name, kernel_map, qualified_class
+from .tensor_file import TensorFileReader
+from .tensors import dtype_name, hash_tensor, make_parameter, materialize
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
     """Compare a freshly built model with the manifest, layer by layer, before any weights are read."""
-    from .capture import has_post_load
-
     records = manifest.module_map()
     problems: list[tuple[str, object, object]] = []
     modules = dict(model.named_modules())
@@ -45,11 +39,11 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
         # Kernels the model already has when built must match for layers a restorer replays;
         # raw layers get theirs chosen again by vLLM's own step.
         if record.state == "processed" and record.replay != "none":
-            fresh_kernels = {(k.owner, k.attr): k.kernel_class for k in find_kernels(module)}
-            for kernel in record.kernels:
-                now = fresh_kernels.get((kernel.owner, kernel.attr))
-                if now is not None and now != kernel.kernel_class:
-                    problems.append((f"{path}.{kernel.owner}.{kernel.attr}", kernel.kernel_class, now))
+            fresh_kernels = kernel_map(find_kernels(module))
+            for (owner, attr), saved_class in kernel_map(record.kernels).items():
+                now = fresh_kernels.get((owner, attr))
+                if now is not None and now != saved_class:
+                    problems.append((f"{path}.{owner}.{attr}", saved_class, now))
         problems.extend(_check_layer_tensors(path, record, module))
     if problems:
         detail = "; ".join(f"{what}: saved {a}, this engine {b}" for what, a, b in problems[:20])

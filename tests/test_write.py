@@ -19,12 +19,12 @@ Polling can miss short-lived stages; waiting is for "this stage or a later
 one", so a missed stage just moves that kill point a little later. Many kill
 points, not precise timing, give the coverage.
 
-The saving process runs ``tests/synthetic.py OUT SCALE`` (rewrite a checkpoint
+The saving process runs ``tests/helpers/synthetic.py OUT SCALE`` (rewrite a checkpoint
 at OUT forever, a new seed each time). Importing torch costs several CPU
 seconds on a small CI machine, so most kill points use processes forked from
 one "zygote" process that has imported torch, tensorizer and the writer once
 and then runs the script's ``__main__`` with ``runpy``; one kill point of the
-first test starts the script the plain way, ``python tests/synthetic.py OUT SCALE``.
+first test starts the script the plain way, ``python tests/helpers/synthetic.py OUT SCALE``.
 Either way the process killed is a separate process executing that script.
 """
 
@@ -49,7 +49,7 @@ from tensorizer_manifest.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 from tensorizer_manifest.validate import validate_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = "tests/synthetic.py"
+SCRIPT = "tests/helpers/synthetic.py"
 #: One write of the synthetic checkpoint at this scale (~24 MB of tensors) takes ~0.2-0.8 s on 2 cores.
 SCALE = "4096"
 MANIFEST = "model" + MANIFEST_SUFFIX
@@ -62,7 +62,7 @@ _ZYGOTE = r"""
 import os, runpy, signal, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import tensorizer  # noqa: F401  (imported lazily by the writer: pay for it once, here)
-import synthetic  # noqa: F401  (torch and tensorizer_manifest, imported once)
+import helpers.synthetic  # noqa: F401  (torch and tensorizer_manifest, imported once)
 print("ready", flush=True)
 for line in sys.stdin:
     cmd, *args = line.split()
@@ -132,7 +132,7 @@ class Zygote:
 
 
 def spawn_plain(out: Path) -> Saver:
-    """``python tests/synthetic.py OUT SCALE`` in a fresh interpreter."""
+    """``python tests/helpers/synthetic.py OUT SCALE`` in a fresh interpreter."""
     proc = subprocess.Popen([sys.executable, SCRIPT, str(out), SCALE], cwd=ROOT, stdout=subprocess.DEVNULL)
 
     def kill() -> int:
@@ -369,7 +369,7 @@ OVERWRITE_POINTS = [
 
 @posix_only
 def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_path):
-    from synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import write_synthetic_checkpoint
 
     template = write_synthetic_checkpoint(tmp_path / "template", seed=0, scale=int(SCALE))
     assert validate_checkpoint(template).ok
@@ -433,7 +433,7 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
 
 
 def test_leftover_temporary_files_do_not_confuse_lookup(tmp_path):
-    from synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import write_synthetic_checkpoint
 
     # Beside a good checkpoint: ignored.
     out = write_synthetic_checkpoint(tmp_path / "good", seed=0, scale=1)

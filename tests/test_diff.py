@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from synthetic import write_synthetic_checkpoint
+from helpers.synthetic import write_synthetic_checkpoint
 
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.diff import diff_manifests

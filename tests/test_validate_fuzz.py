@@ -1,6 +1,6 @@
 """Property-based fuzzing of manifests and tensor files: only typed errors ever come out.
 
-A valid synthetic checkpoint (``synthetic.py``) is written once per process; every
+A valid synthetic checkpoint (``helpers/synthetic.py``) is written once per process; every
 example mutates a fresh copy of it in a temporary directory and then runs the
 three entry points that read untrusted files:
 
@@ -62,19 +62,15 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # pytest puts tests/ on sys.path; scripts/fuzz_long.py may not
     sys.path.insert(0, str(TESTS))
 
-from synthetic import write_synthetic_checkpoint  # noqa: E402
+from helpers.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 from tensorizer_manifest.checkpoint import load_manifest  # noqa: E402
 from tensorizer_manifest.errors import ManifestError, TensorizerManifestError  # noqa: E402
 from tensorizer_manifest.schema import MANIFEST_SUFFIX, Manifest, decode_manifest  # noqa: E402
-from tensorizer_manifest.tensors import TensorFileReader, tensor_bytes  # noqa: E402
-from tensorizer_manifest.validate import (  # noqa: E402
-    ValidationReport,
-    check_files,
-    full_name,
-    head_hash,
-    validate_checkpoint,
-)
+from tensorizer_manifest.schema import full_name  # noqa: E402
+from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index  # noqa: E402
+from tensorizer_manifest.tensors import tensor_bytes  # noqa: E402
+from tensorizer_manifest.validate import ValidationReport, check_files, validate_checkpoint  # noqa: E402
 
 #: Outcome counts, printed by scripts/fuzz_long.py.
 STATS: Counter[str] = Counter()
@@ -110,26 +106,10 @@ class Pristine:
 
 def tensorizer_index(tensor_path: Path) -> tuple[tuple[str, int, int, int], ...]:
     """tensorizer's index, as validate reads it: (key, tensor header offset, data offset, data end), in file order."""
-    from tensorizer import TensorDeserializer
-
-    deserializer = TensorDeserializer(str(tensor_path), device="cpu", lazy_load=True, verify_hash=False)
-    try:
-        return tuple(
-            sorted(
-                (
-                    (
-                        key if isinstance(key, str) else ".".join(e.name),
-                        int(e.offset),
-                        int(e.data_offset),
-                        int(e.data_offset) + int(e.data_length),
-                    )
-                    for key, e in deserializer._metadata.items()
-                ),
-                key=lambda entry: entry[1],
-            )
-        )
-    finally:
-        deserializer.close()
+    entries = (
+        (key, e.header_offset, e.data_offset, e.data_offset + e.data_length) for key, e in read_index(tensor_path).items()
+    )
+    return tuple(sorted(entries, key=lambda entry: entry[1]))
 
 
 @functools.cache

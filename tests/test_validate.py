@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from bad_inputs import BAD_INPUTS
-from synthetic import FINGERPRINT, write_synthetic_checkpoint
+from helpers.bad_inputs import BAD_INPUTS
+from helpers.synthetic import FINGERPRINT, write_synthetic_checkpoint
 
 from tensorizer_manifest import errors
 from tensorizer_manifest.checkpoint import load_manifest
@@ -115,11 +115,11 @@ def test_validate_cli_exit_codes(pristine, tmp_path):
 @pytest.mark.e2e
 def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_path):
     """The real loader, inside a real engine, on a checkpoint saved by real vLLM (W8A8: raw and processed layers)."""
-    from bad_inputs import MODEL_BAD_INPUTS
+    from helpers.bad_inputs import MODEL_BAD_INPUTS
     from conftest import run_script
 
     checkpoint = scenarios.e2e("w8a8-int8")["checkpoint"]
-    results = run_script("bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800)
+    results = run_script("scenarios/bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800)
     cases = BAD_INPUTS + MODEL_BAD_INPUTS
     assert set(results) == {c.name for c in cases}
     for case in cases:
@@ -131,7 +131,7 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
 
 @pytest.mark.e2e
 def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
-    from bad_inputs import MODEL_BAD_INPUTS
+    from helpers.bad_inputs import MODEL_BAD_INPUTS
 
     case = next(c for c in MODEL_BAD_INPUTS if c.name == "renamed-kernel")
     d = tmp_path / "ckpt"

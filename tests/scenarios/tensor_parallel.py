@@ -1,6 +1,6 @@
 """Tensor parallel (TP=2) on CPU: save one tensor file and manifest per rank, load them back.
 
-Usage: python tests/tp_scenario.py WORKDIR. Prints ``TP_RESULT {json}``.
+Usage: python tests/scenarios/tensor_parallel.py WORKDIR. Prints ``TP_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
 """
 

@@ -1,6 +1,6 @@
 """Every crafted bad input against vLLM's real loader, in one process: nothing may be served.
 
-Usage: python tests/bad_inputs_loader.py CHECKPOINT WORKDIR
+Usage: python tests/scenarios/bad_inputs_loader.py CHECKPOINT WORKDIR
 Prints ``LOADER_RESULT {json}``: per case, the exception type raised by
 ``LLM(..., load_format="tensorizer_manifest")`` (anywhere in its cause chain),
 its message, and whether any tokens were generated.
@@ -30,8 +30,8 @@ def _our_error(exc: BaseException):
 def main() -> None:
     checkpoint, workdir = Path(sys.argv[1]), Path(sys.argv[2])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+    from helpers.bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
     from vllm import LLM, SamplingParams
 
     from tensorizer_manifest.save import shutdown

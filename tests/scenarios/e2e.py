@@ -1,6 +1,6 @@
 """One end-to-end scenario on real vLLM, run in its own process; prints a JSON result on the last line.
 
-Usage: python tests/e2e_scenario.py KIND WORKDIR [--fallback] [--multiprocessing]
+Usage: python tests/scenarios/e2e.py KIND WORKDIR [--fallback] [--multiprocessing]
 
 Steps: reference tokens with vLLM's default loader on the safetensors model,
 save with a manifest, load back with load_format="tensorizer_manifest" while

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tensorizer_manifest.validate import _read_index
+from tensorizer_manifest.tensor_file import read_index
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,16 @@ def _flip_at(offset_of: Callable[[Path], int]) -> Callable[[Path], None]:
 
 
 def _data_offset(d: Path) -> int:
-    index = _read_index(_tensor_path(d))
-    _, _, offset, length, _ = max(index.values(), key=lambda e: e[3])
-    return offset + length // 2
+    entry = max(read_index(_tensor_path(d)).values(), key=lambda e: e.data_length)
+    return entry.data_offset + entry.data_length // 2
 
 
 def _other_checkpoint_manifest(d: Path) -> None:
     """The manifest of another save of the same architecture, pointed at this tensor file."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from synthetic import write_synthetic_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
+    from helpers.synthetic import write_synthetic_checkpoint
 
     other = d.parent / (d.name + "-other")
     write_synthetic_checkpoint(other, seed=1234)

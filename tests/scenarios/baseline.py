@@ -1,6 +1,6 @@
 """vLLM's own load_format="tensorizer" on a tiny model, in its own process (issue #55198 baseline).
 
-Usage: python tests/baseline_scenario.py KIND WORKDIR {native|raw}
+Usage: python tests/scenarios/baseline.py KIND WORKDIR {native|raw}
 
 native: save with vLLM's own worker method ``save_tensorized_model`` (the
 "native" file: processed weights plus the vLLM marker) and load it back.
