@@ -78,7 +78,7 @@ def bench_hashing(mb: int, repeat: int) -> None:
         ("hashlib.blake2b", lambda: hashlib.blake2b(data).digest(), "1"),
     ]
     seconds = best_of(repeat, [fn for _, fn, _ in cases])
-    results = [(name, threads, s, size / s / GB) for (name, _, threads), s in zip(cases, seconds)]
+    results = [(name, threads, s, size / s / GB) for (name, _, threads), s in zip(cases, seconds, strict=True)]
     base = results[3][3]  # sha256
     print(f"   {'hash':<48} {'threads':>8} {'seconds':>9} {'GB/s':>7} {'x sha256':>9}")
     for name, threads, seconds, rate in results:
@@ -147,7 +147,7 @@ def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
         ("load: TensorFileReader.read every tensor", lambda: read_all(directory)),
         ("load + hash_tensor of every tensor", lambda: read_and_hash_all(directory)),
     ]
-    results = list(zip([name for name, _ in rows], best_of(repeat, [fn for _, fn in rows])))
+    results = list(zip([name for name, _ in rows], best_of(repeat, [fn for _, fn in rows]), strict=True))
     load_s = results[2][1]
     print(f"   {'step':<48} {'seconds':>9} {'GB/s':>7} {'x load':>8}")
     for i, (name, seconds) in enumerate(results):

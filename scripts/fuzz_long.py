@@ -104,7 +104,7 @@ def main() -> int:
         print(f"  {count:7d}  {key}")
     print(
         f"{sum(ok)}/{len(ok)} properties held"
-        + ("" if all(ok) else f"; failed: {', '.join(n for n, good in zip(names, ok) if not good)}")
+        + ("" if all(ok) else f"; failed: {', '.join(n for n, good in zip(names, ok, strict=True) if not good)}")
     )
     return 0 if all(ok) else 1
 

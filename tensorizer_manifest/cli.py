@@ -57,7 +57,8 @@ def inspect(path: Path, json: bool) -> None:
         others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
         if path.is_dir() and others:
             console.print(
-                f"(this directory holds {len(others) + 1} rank manifests; inspect the others by file: {', '.join(others)})"
+                f"(this directory holds {len(others) + 1} rank manifests; "
+                f"inspect the others by file: {', '.join(others)})"
             )
 
 
@@ -101,7 +102,6 @@ def validate(
         )
         if engine and not problems:
             import contextlib
-            import os
 
             # vLLM logs to stdout; keep stdout for the report.
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -246,8 +246,11 @@ def save(
     help="Tiny model; w8a8-int8 has raw and processed layers.",
 )
 @click.option("--max-tokens", type=int, default=16, show_default=True)
-def demo(work_dir: Path, kind: str, max_tokens: int) -> None:
+@click.option("--verbose", "-v", is_flag=True, help="Show vLLM's INFO logs (only its warnings and errors otherwise).")
+def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
+    # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     from .demo import run_demo
 
     try:

@@ -75,11 +75,12 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     console.print(
         "load: "
         + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
-        + f"; {report.get('bytes_read', 0):,} bytes read, hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
+        + f"; {report.get('bytes_read', 0):,} bytes read, "
+        + f"hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
     )
 
     ok = tm_tokens == ref_tokens
-    for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens)):
+    for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens, strict=True)):
         mark = "[green]match[/green]" if ref == got else "[red]DIFFER[/red]"
         console.print(f"prompt {i} ({prompt_len} tokens): {mark}\n  default : {ref}\n  manifest: {got}")
     console.rule(

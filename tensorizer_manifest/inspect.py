@@ -92,7 +92,8 @@ def render(manifest: Manifest, source: str, console) -> None:
     s = summary(manifest)
     console.print(
         f"[bold]{s['model_class']}[/bold] {s['dtype']}"
-        f"{' ' + s['quantization'] if s['quantization'] else ''}, TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
+        f"{' ' + s['quantization'] if s['quantization'] else ''}, "
+        f"TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
         f"{s['device']}; vLLM {s['vllm_version']}, torch {s['torch_version']}, tensorizer {s['tensorizer_version']}"
     )
     console.print(

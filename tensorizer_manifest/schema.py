@@ -16,7 +16,7 @@ dtypes) are msgspec ``Meta`` so that the published JSON Schema carries them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Literal, Union, get_args
+from typing import Annotated, Literal, get_args
 
 import blake3
 import msgspec
@@ -60,8 +60,8 @@ ContentHash = Annotated[str, msgspec.Meta(pattern=r"^blake3:[0-9a-f]{64}$")]
 Size = Annotated[int, msgspec.Meta(ge=0)]
 
 #: JSON-safe values a manifest may carry for runtime attributes and Parameter attributes.
-PlainScalar = Union[bool, int, float, str]
-PlainValue = Union[None, bool, int, float, str, list[PlainScalar]]
+PlainScalar = bool | int | float | str
+PlainValue = None | bool | int | float | str | list[PlainScalar]
 
 LayerState = Literal["raw", "processed"]
 TensorKind = Literal["parameter", "buffer"]

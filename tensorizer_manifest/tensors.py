@@ -98,12 +98,15 @@ def materialize(record: TensorRecord, data: torch.Tensor | None, where: str) -> 
         return torch.empty_strided(record.shape, record.stride, dtype=dtype)
     if data.dtype != dtype or list(data.shape) != record.shape:
         raise IntegrityError(
-            f"{where}: file holds {dtype_name(data.dtype)}{list(data.shape)}, manifest says {record.dtype}{record.shape}"
+            f"{where}: file holds {dtype_name(data.dtype)}{list(data.shape)}, "
+            f"manifest says {record.dtype}{record.shape}"
         )
     if list(data.stride()) == record.stride and record.storage_offset == 0:
         return data
     # Rebuild the exact layout: a view into a storage big enough for the recorded strides.
-    span = record.storage_offset + 1 + sum((d - 1) * s for d, s in zip(record.shape, record.stride, strict=True) if d > 0)
+    span = (
+        record.storage_offset + 1 + sum((d - 1) * s for d, s in zip(record.shape, record.stride, strict=True) if d > 0)
+    )
     storage = torch.empty(span, dtype=dtype)
     out = storage.as_strided(record.shape, record.stride, record.storage_offset)
     out.copy_(data)

@@ -15,6 +15,7 @@ huggingface_hub's cache verification does); the loader calls
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,12 +250,15 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
         end = entry.data_offset + entry.data_length
         if entry.data_offset < 0 or end > size:
             problems.append(
-                Problem(IntegrityError, where, f"tensor {key!r} lies outside the file ({entry.data_offset}+"
-                        f"{entry.data_length} > {size})")
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} lies outside the file ({entry.data_offset}+{entry.data_length} > {size})",
+                )
             )
         spans.append((entry.data_offset, end, key))
     spans.sort()
-    for (_, end1, key1), (start2, _, key2) in zip(spans, spans[1:]):
+    for (_, end1, key1), (start2, _, key2) in itertools.pairwise(spans):
         if start2 < end1:
             problems.append(Problem(IntegrityError, where, f"tensors {key1!r} and {key2!r} overlap in the file"))
     return problems

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers.synthetic import write_synthetic_checkpoint
+
 from tensorizer_manifest import checkpoint
 from tensorizer_manifest.errors import CheckpointNotFoundError, ManifestError
 

@@ -54,9 +54,11 @@ def test_post_load_runs_once_per_raw_layer_and_never_on_processed(scenarios, kin
 def test_w8a8_int8_linear_layers_are_raw(scenarios):
     """The CPU int8 kernel packs its weight into a oneDNN handle and drops it: nothing processed to save."""
     layers = scenarios.e2e("w8a8-int8")["layers"]
-    linear = {p: l for p, l in layers.items() if p.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    linear = {
+        p: layer for p, layer in layers.items() if p.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    }
     assert len(linear) == 8
-    assert all(l["state"] == "raw" and l["replay"] == "post_load" for l in linear.values()), linear
+    assert all(x["state"] == "raw" and x["replay"] == "post_load" for x in linear.values()), linear
     counts = scenarios.e2e("w8a8-int8")["post_load_counts"]
     assert sorted(counts) == sorted(f"quant_method:{p}" for p in linear)
 
@@ -65,8 +67,8 @@ def test_linear_layers_processed_with_torch_fallback(scenarios):
     """Without oneDNN, vLLM keeps linear weights: those layers save processed and replay token-exact."""
     result = scenarios.e2e("llama", "--fallback")
     layers = result["layers"]
-    linear = [l for p, l in layers.items() if p.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
-    assert linear and all(l["state"] == "processed" and l["replay"] == "cpu_unquantized_gemm" for l in linear)
+    linear = [layer for p, layer in layers.items() if p.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+    assert linear and all(x["state"] == "processed" and x["replay"] == "cpu_unquantized_gemm" for x in linear)
     assert result["post_load_counts"] == {}
     assert result["manifest_tokens"] == result["reference_tokens"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
-
 from helpers.synthetic import FINGERPRINT
+
 from tensorizer_manifest import schema
 from tensorizer_manifest.fingerprint import (
     EXACT,
@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def _manifest(replay: str) -> schema.Manifest:
     module = schema.ModuleRecord(path="m", module_class="x.Y", state="processed", replay=replay)
     ref = schema.TensorFileRef(path="t", size=0, tensor_count=0, digest="blake3:" + "0" * 64)
-    return schema.Manifest(format_version=1, producer="test", fingerprint=FINGERPRINT, tensor_file=ref, modules=[module])
+    return schema.Manifest(
+        format_version=1, producer="test", fingerprint=FINGERPRINT, tensor_file=ref, modules=[module]
+    )
 
 
 def test_every_fingerprint_field_has_a_written_policy():

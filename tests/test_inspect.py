@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from helpers.synthetic import write_synthetic_checkpoint
+
 from tensorizer_manifest.checkpoint import read_manifest
 from tensorizer_manifest.inspect import layer_row, summary
 

@@ -110,8 +110,9 @@ def test_no_module_imports_the_package_root():
 
 def test_every_module_has_a_docstring_and_a_place_in_the_design_map():
     design = (ROOT / "docs" / "design.md").read_text()
-    for name, path in MODULES.items():
+    for path in MODULES.values():
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(ROOT)} has no docstring"
         shown = str(path.relative_to(PACKAGE)) if path.name != "__init__.py" else str(path.parent.relative_to(PACKAGE))
-        if shown != ".":
+        is_restorer = shown.startswith("restorers/") and shown != "restorers/base.py"  # listed by `kernels`
+        if shown != "." and not is_restorer:
             assert f"`{shown}" in design, f"docs/design.md does not list {shown}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.synthetic import make_capture, write_synthetic_checkpoint
+
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.errors import CompatibilityError, IntegrityError
 from tensorizer_manifest.load import check_model, restore_tensors
@@ -84,7 +84,9 @@ def test_a_damaged_tensor_is_caught_by_its_hash_while_reading(checkpoint, tmp_pa
 def test_check_model_names_every_difference_before_reading(checkpoint):
     manifest, _ = load_manifest(checkpoint)
     model = _fresh_model()
-    model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(48, 16, dtype=torch.int8), requires_grad=False)
+    model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
+        torch.zeros(48, 16, dtype=torch.int8), requires_grad=False
+    )
     model.extra = torch.nn.Linear(2, 2)
     del model.model.norm
     with pytest.raises(CompatibilityError) as info:

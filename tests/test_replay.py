@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-
 from helpers.synthetic import FINGERPRINT
+
 from tensorizer_manifest import schema
 from tensorizer_manifest.errors import ReplayError
 from tensorizer_manifest.replay import replay_model

@@ -115,11 +115,13 @@ def test_validate_cli_exit_codes(pristine, tmp_path):
 @pytest.mark.e2e
 def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_path):
     """The real loader, inside a real engine, on a checkpoint saved by real vLLM (W8A8: raw and processed layers)."""
-    from helpers.bad_inputs import MODEL_BAD_INPUTS
     from conftest import run_script
+    from helpers.bad_inputs import MODEL_BAD_INPUTS
 
     checkpoint = scenarios.e2e("w8a8-int8")["checkpoint"]
-    results = run_script("scenarios/bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800)
+    results = run_script(
+        "scenarios/bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800
+    )
     cases = BAD_INPUTS + MODEL_BAD_INPUTS
     assert set(results) == {c.name for c in cases}
     for case in cases:

@@ -66,8 +66,12 @@ from helpers.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 from tensorizer_manifest.checkpoint import load_manifest  # noqa: E402
 from tensorizer_manifest.errors import ManifestError, TensorizerManifestError  # noqa: E402
-from tensorizer_manifest.schema import MANIFEST_SUFFIX, Manifest, decode_manifest  # noqa: E402
-from tensorizer_manifest.schema import full_name  # noqa: E402
+from tensorizer_manifest.schema import (  # noqa: E402
+    MANIFEST_SUFFIX,
+    Manifest,
+    decode_manifest,
+    full_name,  # noqa: E402
+)
 from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index  # noqa: E402
 from tensorizer_manifest.tensors import tensor_bytes  # noqa: E402
 from tensorizer_manifest.validate import ValidationReport, check_files, validate_checkpoint  # noqa: E402
@@ -107,7 +111,8 @@ class Pristine:
 def tensorizer_index(tensor_path: Path) -> tuple[tuple[str, int, int, int], ...]:
     """tensorizer's index, as validate reads it: (key, tensor header offset, data offset, data end), in file order."""
     entries = (
-        (key, e.header_offset, e.data_offset, e.data_offset + e.data_length) for key, e in read_index(tensor_path).items()
+        (key, e.header_offset, e.data_offset, e.data_offset + e.data_length)
+        for key, e in read_index(tensor_path).items()
     )
     return tuple(sorted(entries, key=lambda entry: entry[1]))
 

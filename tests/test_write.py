@@ -58,7 +58,7 @@ WAIT_S = 90.0  # generous ceiling for any single wait on a loaded machine
 STAGES = ("spawn", "tmp", "tensors", "manifest_tmp", "commit")
 posix_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills savers with fork and SIGKILL (POSIX)")
 
-_ZYGOTE = r"""
+_ZYGOTE = rf"""
 import os, runpy, signal, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import tensorizer  # noqa: F401  (imported lazily by the writer: pay for it once, here)
@@ -72,9 +72,9 @@ for line in sys.stdin:
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)
             os.dup2(devnull, 1)
-            sys.argv = [%(script)r, *args]
+            sys.argv = [{SCRIPT!r}, *args]
             try:
-                runpy.run_path(%(script)r, run_name="__main__")
+                runpy.run_path({SCRIPT!r}, run_name="__main__")
             finally:
                 os._exit(3)
         print(pid, flush=True)
@@ -83,7 +83,7 @@ for line in sys.stdin:
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         print(status, flush=True)
-""" % {"script": SCRIPT}
+"""
 
 
 class Zygote:
@@ -243,7 +243,7 @@ class References:
         self._next_seed = 0
 
     def _make(self) -> None:
-        from synthetic import write_synthetic_checkpoint
+        from helpers.synthetic import write_synthetic_checkpoint
 
         seed = self._next_seed
         self._next_seed += 1
@@ -337,7 +337,8 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
     print("\nfirst save, kill points -> outcome:")
     for info, outcome in details:
         print(
-            f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+            f"  {info['anchor']:>12} +{info['delay']:<6} "
+            f"(reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
         )
     print("outcomes:", dict(outcomes))
     assert sum(n for k, n in outcomes.items() if k.startswith("no manifest")) >= 1, outcomes
@@ -417,7 +418,8 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
     print("\nsave over a good checkpoint, kill points -> outcome:")
     for info, outcome in details:
         print(
-            f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+            f"  {info['anchor']:>12} +{info['delay']:<6} "
+            f"(reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
         )
     print("outcomes:", dict(outcomes))
     assert any(o.startswith("old") for o in outcomes), outcomes

@@ -143,7 +143,8 @@ def main() -> None:
                     mismatches.append(f"{name}: missing ({ref is None}, {got is None})")
                 elif ref.dtype != got.dtype or ref.shape != got.shape or ref.stride() != got.stride():
                     mismatches.append(
-                        f"{name}: {ref.dtype}{tuple(ref.shape)}{ref.stride()} vs {got.dtype}{tuple(got.shape)}{got.stride()}"
+                        f"{name}: {ref.dtype}{tuple(ref.shape)}{ref.stride()} "
+                        f"vs {got.dtype}{tuple(got.shape)}{got.stride()}"
                     )
                 elif not torch.equal(
                     ref.view(torch.uint8) if ref.numel() and ref.dim() else ref,
