@@ -8,6 +8,9 @@ model with its dtype, layout, Parameter class and ties. Replay comes after
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from .errors import CompatibilityError, IntegrityError
@@ -78,42 +81,105 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
     return problems
 
 
+class HashChecker:
+    """Content hashes checked on another thread while the readers go on (blake3 releases the GIL).
+
+    ``check_layer`` waits for one layer's hashes: call it before anything may
+    change that layer's tensors in place. ``check_all`` waits for the rest.
+    """
+
+    def __init__(self, file_name: str):
+        self._file_name = file_name
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorizer-manifest-hash")
+        self._pending: dict[str, list[tuple[str, Future[bool]]]] = {}
+
+    def submit(self, layer: str, name: str, tensor: torch.Tensor, expected: str) -> None:
+        future = self._pool.submit(lambda: hash_tensor(tensor) == expected)
+        self._pending.setdefault(layer, []).append((name, future))
+
+    def check_layer(self, layer: str) -> None:
+        for name, future in self._pending.pop(layer, ()):
+            if not future.result():
+                raise IntegrityError(
+                    f"{self._file_name}: content hash of {name!r} does not match the manifest; the file is damaged"
+                )
+
+    def check_all(self) -> None:
+        for layer in list(self._pending):
+            self.check_layer(layer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _no_check(layer: str) -> None:
+    return None
+
+
 def restore_tensors(
-    model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True
+    model: torch.nn.Module,
+    manifest: Manifest,
+    reader: TensorFileReader,
+    verify_hashes: bool = True,
+    on_layer: Callable[[ModuleRecord, torch.nn.Module, Callable[[str], None]], None] | None = None,
 ) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
-    Returns the number of bytes read.
+    Tensors are read in file order by the reader's parallel readers and placed
+    as they arrive. Once a layer's tensors are all in place, ``on_layer(record,
+    module, check_hashes)`` is called (in manifest order) while reading goes
+    on; ``check_hashes(path)`` waits for that layer's content hashes. Every hash
+    is checked before this returns. Returns the number of bytes read.
     """
+    hashes = HashChecker(reader.path.name) if verify_hashes else None
+    stream = reader.stream()
+    arrived: dict[str, torch.Tensor] = {}
+
+    def take(key: str) -> torch.Tensor:
+        while key not in arrived:
+            got = next(stream, None)
+            if got is None:
+                raise IntegrityError(f"{reader.path.name}: tensor {key!r} named in the manifest is not in the file")
+            arrived[got[0]] = got[1]
+        return arrived.pop(key)
+
     total = 0
-    aliases: list[tuple[torch.nn.Module, TensorRecord, str]] = []
-    for record in manifest.modules:
-        module = model.get_submodule(record.path)
-        for t in record.tensors:
-            name = full_name(record.path, t.name)
-            if t.alias_of is not None:
-                aliases.append((module, t, name))
-                continue
-            data = reader.read(t.key) if t.key is not None else None
-            if data is not None:
-                total += data.numel() * data.element_size()
-                if verify_hashes and hash_tensor(data) != t.hash:
-                    raise IntegrityError(
-                        f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged"
-                    )
-            _assign(module, t, materialize(t, data, name))
-        if record.state == "processed":
-            saved = {t.name for t in record.tensors}
-            for name in list(module_tensors(module)):
-                if name not in saved:
-                    delattr(module, name)
-    for module, t, name in aliases:
-        owner_path, _, attr = t.alias_of.rpartition(".")
-        target = getattr(model.get_submodule(owner_path), attr)
-        if t.dtype != dtype_name(target.dtype) or t.shape != list(target.shape):
-            raise IntegrityError(f"{name!r} is recorded as an alias of {t.alias_of!r} but their dtype or shape differ")
-        _place(module, t, target)
+    try:
+        for record in manifest.modules:
+            module = model.get_submodule(record.path)
+            for t in record.tensors:
+                name = full_name(record.path, t.name)
+                if t.alias_of is not None:  # its target was recorded, so placed, before it
+                    _place_alias(model, module, t, name)
+                    continue
+                data = take(t.key) if t.key is not None else None
+                if data is not None:
+                    total += data.numel() * data.element_size()
+                    if hashes is not None:
+                        hashes.submit(record.path, name, data, t.hash)
+                _assign(module, t, materialize(t, data, name))
+            if record.state == "processed":
+                saved = {t.name for t in record.tensors}
+                for name in list(module_tensors(module)):
+                    if name not in saved:
+                        delattr(module, name)
+            if on_layer is not None:
+                on_layer(record, module, hashes.check_layer if hashes is not None else _no_check)
+        if hashes is not None:
+            hashes.check_all()
+    finally:
+        stream.close()
+        if hashes is not None:
+            hashes.close()
     return total
+
+
+def _place_alias(model: torch.nn.Module, module: torch.nn.Module, record: TensorRecord, name: str) -> None:
+    owner_path, _, attr = record.alias_of.rpartition(".")
+    target = getattr(model.get_submodule(owner_path), attr)
+    if record.dtype != dtype_name(target.dtype) or record.shape != list(target.shape):
+        raise IntegrityError(f"{name!r} is recorded as an alias of {record.alias_of!r} but their dtype or shape differ")
+    _place(module, record, target)
 
 
 def _assign(module: torch.nn.Module, record: TensorRecord, data: torch.Tensor) -> None:

@@ -1,14 +1,17 @@
 """The deterministic replay that rebuilds a loaded model's runtime state.
 
-Order follows vLLM's ``process_weights_after_loading`` (``layers.post_load_steps``):
-quantized layers in module order, then deferred attention layers. Raw layers
-get vLLM's own step, exactly once; processed layers get their restorer
-(``restorers``), which rebuilds state without transforming tensors again.
+Raw layers get vLLM's own step, exactly once; processed layers get their
+restorer (``restorers``), which rebuilds state without transforming tensors
+again. A layer's quant-method step runs as soon as its tensors are in (while
+the rest is still being read); what must wait follows vLLM's
+``process_weights_after_loading`` order (``layers.post_load_steps``).
 Afterwards every runtime attribute and kernel the manifest lists is checked.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,26 +52,72 @@ def run_post_load_step(module: torch.nn.Module, kind: str, model_config: Any, ta
             module.process_weights_after_loading(model_config.dtype)
 
 
+class Replayer:
+    """Replays a model's layers as their tensors arrive, then finishes what must wait.
+
+    vLLM's quant-method step of a layer touches that layer alone, so it gives
+    the same result whether it runs while later layers are still being read or
+    after all of them: ``layer_ready`` runs it (or the layer's restorer) at
+    once. Two kinds wait for ``finish``, which then follows vLLM's order: layers
+    whose tensors other layers alias (a tie must see the tensor as loaded, not
+    as processed), and attention steps, which vLLM runs after every quant step.
+    """
+
+    def __init__(self, model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device):
+        refuse_model_level_hook(model)
+        self.model = model
+        self.manifest = manifest
+        self.model_config = model_config
+        self.target_device = target_device
+        self.report = ReplayReport()
+        self._records = manifest.module_map()
+        self._steps = post_load_steps(model)
+        self._early = {path for path, _, kind in self._steps if kind == QUANT_METHOD_STEP} - _alias_targets(manifest)
+        self._done: set[tuple[str, str]] = set()
+        self.step_seconds = 0.0
+        """Time spent in vLLM's own steps and in restorers (the rest of replay is our bookkeeping)."""
+
+    def layer_ready(self, record: ModuleRecord, module: torch.nn.Module, check_hashes: Callable[[str], None]) -> None:
+        """Called once a layer's tensors are in place; ``check_hashes(path)`` waits for their hashes."""
+        if record.path in self._early:
+            check_hashes(record.path)  # nothing may change a tensor in place before its hash is checked
+            self._step(record.path, module, QUANT_METHOD_STEP)
+
+    def finish(self) -> ReplayReport:
+        """Every step not run yet, in vLLM's order; then the runtime state is checked."""
+        for path, module, kind in self._steps:
+            self._step(path, module, kind)
+        _check_runtime_state(self.model, self.manifest, self.report)
+        return self.report
+
+    def _step(self, path: str, module: torch.nn.Module, kind: str) -> None:
+        if (path, kind) in self._done:
+            return
+        self._done.add((path, kind))
+        record = self._records.get(path)
+        if record is None:
+            raise ReplayError(f"layer {path!r} has a post-load step but no manifest record")
+        started = time.perf_counter()
+        if record.state == "raw":
+            # Raw layers take each of vLLM's steps (quant method, then attention) once.
+            run_post_load_step(module, kind, self.model_config, self.target_device)
+            self.report.post_load.append(f"{path}:{kind}")
+        elif record.replay != REPLAY_NONE and path not in self.report.restored:
+            _restore(path, module, record, self.model_config)
+            self.report.restored[path] = record.replay
+        self.step_seconds += time.perf_counter() - started
+
+
+def _alias_targets(manifest: Manifest) -> set[str]:
+    """Paths of layers holding a tensor that a record of another layer is an alias of."""
+    return {t.alias_of.rpartition(".")[0] for m in manifest.modules for t in m.tensors if t.alias_of is not None}
+
+
 def replay_model(
     model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device
 ) -> ReplayReport:
     """Run the post-load step once on raw layers, and restorers on processed ones, in vLLM's order."""
-    refuse_model_level_hook(model)
-    records = manifest.module_map()
-    report = ReplayReport()
-    for path, module, kind in post_load_steps(model):
-        record = records.get(path)
-        if record is None:
-            raise ReplayError(f"layer {path!r} has a post-load step but no manifest record")
-        if record.state == "raw":
-            # Raw layers take each of vLLM's steps (quant method, then attention) once.
-            run_post_load_step(module, kind, model_config, target_device)
-            report.post_load.append(f"{path}:{kind}")
-        elif record.replay != REPLAY_NONE and path not in report.restored:
-            _restore(path, module, record, model_config)
-            report.restored[path] = record.replay
-    _check_runtime_state(model, manifest, report)
-    return report
+    return Replayer(model, manifest, model_config, target_device).finish()
 
 
 def _restore(path: str, module: torch.nn.Module, record: ModuleRecord, model_config: Any) -> None:

@@ -7,7 +7,8 @@ file. Tensors go in contiguous and with their dtype untouched; the manifest
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,15 +48,28 @@ def write_tensor_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -
         serializer.close()
 
 
-class TensorFileReader:
-    """Reads stored tensors by key, lazily, one at a time. Use it as a context manager."""
+def default_num_readers() -> int:
+    """Parallel readers for this machine: one per core, at most 8 (reading from page cache is memory-bound)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
-    def __init__(self, path: Path, device: str = "cpu"):
+
+class TensorFileReader:
+    """Reads stored tensors: by key (``read``), or all of them in file order (``stream``), in parallel.
+
+    Use it as a context manager. Nothing is read until asked for; tensorizer's
+    parallel readers each read one contiguous span of the file into freshly
+    allocated tensors, which become the model's tensors without another copy.
+    """
+
+    def __init__(self, path: Path, device: str = "cpu", num_readers: int | None = None):
         from tensorizer import TensorDeserializer
 
         self.path = Path(path)
+        self.num_readers = num_readers or default_num_readers()
         try:
-            self._deserializer = TensorDeserializer(str(self.path), device=device, lazy_load=True, verify_hash=False)
+            self._deserializer = TensorDeserializer(
+                str(self.path), device=device, lazy_load=True, verify_hash=False, num_readers=self.num_readers
+            )
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
             raise IntegrityError(
                 f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})"
@@ -72,6 +86,16 @@ class TensorFileReader:
                 f"{self.path.name}: tensor {key!r} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
             ) from None
         return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stored tensor as ``(key, tensor)``, in file order, while the readers go on reading."""
+        try:
+            for _, _, key, tensor in self._deserializer.read_tensors():
+                yield str(key), (tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            raise IntegrityError(
+                f"{self.path.name}: the file cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+            ) from None
 
     def close(self) -> None:
         self._deserializer.close()

@@ -295,29 +295,24 @@ def validate_checkpoint(path: str | Path, *, verify_hashes: bool = True) -> Vali
 
 
 def _check_hashes(tensor_path: Path, by_key: dict[str, TensorRecord]) -> tuple[list[Problem], int]:
+    """Read every stored tensor (tensorizer's parallel readers, in file order) and check its content hash."""
     where = str(tensor_path)
     problems: list[Problem] = []
     checked = 0
     try:
-        reader = TensorFileReader(tensor_path)
-    except TensorizerManifestError as exc:
-        return [Problem(type(exc), where, str(exc))], 0
-    with reader:
-        for key, record in by_key.items():
-            try:
-                tensor = reader.read(key)
-            except TensorizerManifestError as exc:
-                problems.append(Problem(type(exc), where, str(exc)))
-                continue
-            checked += 1
-            if hash_tensor(tensor) != record.hash:
-                problems.append(
-                    Problem(
-                        IntegrityError,
-                        where,
-                        f"tensor {key!r}: content hash does not match the manifest (the data is damaged)",
+        with TensorFileReader(tensor_path) as reader:
+            for key, tensor in reader.stream():
+                checked += 1
+                if hash_tensor(tensor) != by_key[key].hash:
+                    problems.append(
+                        Problem(
+                            IntegrityError,
+                            where,
+                            f"tensor {key!r}: content hash does not match the manifest (the data is damaged)",
+                        )
                     )
-                )
+    except TensorizerManifestError as exc:
+        problems.append(Problem(type(exc), where, str(exc)))
     return problems, checked
 
 

@@ -37,7 +37,30 @@ from .write import write_checkpoint
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
 
-logger = logging.getLogger("tensorizer_manifest")
+#: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
+logger = logging.getLogger("vllm.tensorizer_manifest")
+
+
+def _log_load(manifest_path: Path, summary: dict) -> None:
+    laps = summary["seconds"]
+    raw = len({step.rpartition(":")[0] for step in summary["post_load"]})
+    logger.info(
+        "Loading weights with tensorizer_manifest took %.2f s (%s): %.1f MB read by %d readers, content hashes %s; "
+        "%d raw layer(s) got vLLM's post-load step (%.2f s of it while reading), %d processed layer(s) restored; "
+        "checks %.3f s, model built %.2f s, read %.2f s, rest of replay and audit %.2f s",
+        sum(laps.values()),
+        manifest_path,
+        summary["bytes_read"] / 1e6,
+        summary["num_readers"],
+        "checked" if summary["verify_hashes"] else "NOT checked",
+        raw,
+        summary["step_seconds"]["while_reading"],
+        len(summary["restored"]),
+        laps["check_files"] + laps["check_model"],
+        laps["build_model"],
+        laps["read_tensors"],
+        laps["replay"],
+    )
 
 
 class LoadOptions(BaseModel):
@@ -47,6 +70,9 @@ class LoadOptions(BaseModel):
 
     verify_hashes: bool = Field(True, description="Check each tensor's content hash as it is read.")
     checkpoint_dir: str | None = Field(None, description="Checkpoint directory, when not the model path.")
+    num_readers: int | None = Field(
+        None, ge=1, le=64, description="Parallel readers of the tensor file (default: one per core, at most 8)."
+    )
 
     @classmethod
     def from_load_config(cls, load_config: Any) -> LoadOptions:
@@ -107,23 +133,26 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("build_model")
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
-            with TensorFileReader(tensor_path, device=str(target_device)) as reader:
-                nbytes = restore_tensors(model, manifest, reader, verify_hashes=options.verify_hashes)
+            replayer = replay.Replayer(model, manifest, model_config, target_device)
+            with TensorFileReader(tensor_path, device=str(target_device), num_readers=options.num_readers) as reader:
+                nbytes = restore_tensors(
+                    model, manifest, reader, verify_hashes=options.verify_hashes, on_layer=replayer.layer_ready
+                )
+                num_readers = reader.num_readers
+            overlapped = replayer.step_seconds
             clock.lap("read_tensors")
-            report = replay.replay_model(model, manifest, model_config, target_device)
+            report = replayer.finish()
             clock.lap("replay")
-        setattr(
-            model,
-            _REPORT_ATTR,
-            {**report.to_dict(), "bytes_read": nbytes, "verify_hashes": options.verify_hashes, "seconds": clock.laps},
-        )
-        logger.info(
-            "tensorizer_manifest: loaded %s (%d raw layer steps run once, %d processed layers restored) in %.2fs",
-            manifest_path,
-            len(report.post_load),
-            len(report.restored),
-            sum(clock.laps.values()),
-        )
+        summary = {
+            **report.to_dict(),
+            "bytes_read": nbytes,
+            "verify_hashes": options.verify_hashes,
+            "num_readers": num_readers,
+            "seconds": clock.laps,
+            "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
+        }
+        setattr(model, _REPORT_ATTR, summary)
+        _log_load(manifest_path, summary)
         return model.eval()
 
 

@@ -95,3 +95,33 @@ def test_check_model_names_every_difference_before_reading(checkpoint):
     assert "down_proj.weight: saved int8[48, 32], this engine int8[48, 16]" in message
     assert "extra: saved absent from the manifest" in message
     assert "model.norm: saved recorded in the manifest, this engine absent from this model" in message
+
+
+def test_layers_are_handed_on_in_manifest_order_as_their_tensors_arrive(checkpoint):
+    manifest, path = load_manifest(checkpoint)
+    model = _fresh_model()
+    seen = []
+
+    def on_layer(record, module, check_hashes):
+        check_hashes(record.path)  # this layer's hashes are checked; later layers may still be reading
+        assert all(getattr(module, t.name) is not None for t in record.tensors)
+        seen.append(record.path)
+
+    with TensorFileReader(check_files(manifest, path), num_readers=2) as reader:
+        restore_tensors(model, manifest, reader, on_layer=on_layer)
+    assert seen == [m.path for m in manifest.modules]
+
+
+def test_a_file_written_in_another_order_still_restores(checkpoint, tmp_path):
+    """Tensors are taken in file order and kept until their layer comes; the order is not assumed."""
+    from tensorizer_manifest.tensor_file import write_tensor_file
+
+    manifest, path = load_manifest(checkpoint)
+    with TensorFileReader(check_files(manifest, path)) as reader:
+        stored = list(reader.stream())
+    reversed_file = tmp_path / "reversed.tensors"
+    write_tensor_file(reversed_file, reversed(stored))
+    model = _fresh_model()
+    with TensorFileReader(reversed_file) as reader:
+        restore_tensors(model, manifest, reader)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, dict(stored)["model.layers.0.mlp.down_proj.weight"])

@@ -58,3 +58,49 @@ def test_a_kernel_that_changed_under_a_kernel_specific_layer_is_a_replay_error()
     raw = _norm_record(kernels=[kernel], state="raw", replay="post_load")
     report = replay_model(_model(), _manifest(raw), None, torch.device("cpu"))
     assert report.kernel_changes == ["norm: layer.cpu_linear saved as some.Kernel, now None"]
+
+
+def test_raw_steps_run_as_layers_arrive_and_tied_layers_wait_for_finish():
+    """A layer another layer aliases keeps its tensors as loaded until every tensor is in place."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from tensorizer_manifest.replay import Replayer
+
+    calls: list[str] = []
+
+    class Method(QuantizeMethodBase):  # a double that records when vLLM's step would run
+        def __init__(self, name):
+            self.name = name
+
+        def create_weights(self, *args, **kwargs):
+            pass
+
+        def apply(self, *args, **kwargs):
+            pass
+
+        def process_weights_after_loading(self, layer):
+            calls.append(self.name)
+
+    model = torch.nn.Module()
+    for name in ("a", "b"):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        layer.quant_method = Method(name)
+        setattr(model, name, layer)
+    model.c = torch.nn.Module()
+    tied = schema.TensorRecord(name="weight", kind="parameter", dtype="float32", shape=[2], stride=[1], nbytes=8,
+                               hash="blake3:" + "0" * 64, alias_of="b.weight")  # fmt: skip
+
+    def raw(path: str) -> schema.ModuleRecord:
+        return schema.ModuleRecord(path=path, module_class="x.Y", state="raw", replay="post_load")
+
+    c = schema.ModuleRecord(path="c", module_class="x.Y", state="processed", replay="none", tensors=[tied])
+    manifest = _manifest(raw("a"), raw("b"), c)
+    replayer = Replayer(model, manifest, None, torch.device("cpu"))
+    checked = []
+    for record in manifest.modules:
+        replayer.layer_ready(record, model.get_submodule(record.path), checked.append)
+    assert calls == ["a"] and checked == ["a"]  # b waits: c aliases its weight
+    report = replayer.finish()
+    assert calls == ["a", "b"]
+    assert report.post_load == ["a:quant_method", "b:quant_method"]

@@ -102,20 +102,26 @@ def main() -> None:
             return attn_fn(self, act_dtype)
 
         Attention.process_weights_after_loading = attn_counting
-        original_replay = replay_module.replay_model
+        # Tag every layer with its path when replay is set up (before any step runs, overlapped or not),
+        # and keep every tensor once replay has finished.
+        Replayer = replay_module.Replayer
+        original_init, original_finish = Replayer.__init__, Replayer.finish
 
-        def tag_then_replay(model, manifest, model_config, target_device):
+        def tagging_init(self, model, *args, **kwargs):
             for path, module in model.named_modules():
                 module._tm_path = path
-            report = original_replay(model, manifest, model_config, target_device)
-            for path, module in model.named_modules():
+            original_init(self, model, *args, **kwargs)
+
+        def keeping_finish(self):
+            report = original_finish(self)
+            for path, module in self.model.named_modules():
                 for name, t in list(module._parameters.items()) + list(module._buffers.items()):
                     if t is not None:
                         loaded[f"{path}.{name}" if path else name] = t.detach().clone()
             captured["report"] = report.to_dict()
             return report
 
-        replay_module.replay_model = tag_then_replay
+        Replayer.__init__, Replayer.finish = tagging_init, keeping_finish
     result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest")
 
     from tensorizer_manifest.checkpoint import load_manifest

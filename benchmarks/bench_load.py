@@ -1,0 +1,403 @@
+"""How fast a model starts: vLLM's default loader against tensorizer_manifest, each path a fresh process.
+
+    .venv/bin/python benchmarks/bench_load.py                       # small, medium and large; 3 rounds
+    .venv/bin/python benchmarks/bench_load.py --sizes large --rounds 5
+
+Models are built here with random weights (no hub): ``small`` (the tiny Llama of the tests), ``medium``
+(about 270 MB) and ``large`` (about 1.07 GB, the Qwen3 of the performance issue: hidden 2048,
+intermediate 6144, 8 layers, 16 heads, 8 KV heads, vocab 32000, untied). Each is saved twice with a
+manifest: ``mixed`` as this CPU runs it (oneDNN packs linear weights, so those layers are raw) and
+``processed`` with vLLM's torch GEMM (``cpu_gemm="fallback"``: every layer processed, nothing to redo).
+
+Paths, each measured in a fresh process with the engine in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+
+- ``default``: vLLM's default loader from safetensors (oneDNN), the baseline of every ratio;
+- ``tensorizer``: vLLM's own ``load_format="tensorizer"`` on its native file: it fails (#55198), so the
+  figure is the time until it fails;
+- ``manifest-mixed``: ``load_format="tensorizer_manifest"`` on the mixed checkpoint;
+- ``default-fallback`` and ``manifest-processed``: the same pair with vLLM's torch GEMM.
+
+For each: the whole ``LLM()``, ``load_model`` and its split, and peak RSS. Paths alternate within a
+round (so each pair meets the same machine), and ratios are taken per round, then summarised as
+median, min and max. Machine references, measured in the same run: reading the large tensor file into
+fresh memory with one and with two threads, into touched memory, and blake3 on one core.
+Saving is measured too (time and peak RSS of ``save_checkpoint``). Figures, never assertions.
+Writes ``--out`` (JSON) and, with matplotlib (``make bench`` installs it), ``--plot`` (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "BENCH_RESULT "
+
+SIZES = {
+    "small": None,  # the tests' tiny Llama
+    "medium": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=32000),
+    "large": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=32000),
+}  # fmt: skip
+PATHS = ("default", "manifest-mixed", "default-fallback", "manifest-processed", "tensorizer")
+ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1, seed=0)
+
+
+# --- building the models and checkpoints (parent) -------------------------------------------------
+
+
+def build_model(work: Path, size: str) -> Path:
+    """A model directory for ``size``: safetensors with random bf16 weights, config, tokenizer."""
+    from tensorizer_manifest.tiny import build_tiny_model
+
+    tiny = build_tiny_model(work / "tiny-llama", "llama")
+    if SIZES[size] is None:
+        return tiny
+    out = work / f"model-{size}"
+    if (out / ".complete").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    config = Qwen3Config(
+        head_dim=128, max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="bfloat16", **SIZES[size]
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.02)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / ".complete").write_text(size)
+    return out
+
+
+def run_child(*args: str, env: dict | None = None) -> dict:
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "child", *args], capture_output=True, text=True, env=full_env, timeout=1800
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK) :])
+    raise RuntimeError(f"child {args} printed no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+FALLBACK_ENV = {"TENSORIZER_MANIFEST_CPU_GEMM": "fallback"}
+
+
+def prepare(work: Path, size: str) -> dict[str, str]:
+    model = build_model(work, size)
+    dirs = {"model": str(model)}
+    for variant, env in (("mixed", {}), ("processed", FALLBACK_ENV)):
+        out = work / f"ckpt-{size}-{variant}"
+        if not (out / "model.manifest.json").exists():
+            dirs[f"save-{variant}"] = run_child("save", str(model), str(out), env=env)
+        dirs[variant] = str(out)
+    native = work / f"vllm-native-{size}.tensors"
+    if not native.exists():
+        run_child("native", str(model), str(native))
+    dirs["native"] = str(native)
+    return dirs
+
+
+# --- one measurement (child) ---------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Timer:
+    """Wraps functions to add up the seconds spent in them (in this process)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+
+
+def child(argv: list[str]) -> dict:
+    mode = argv[0]
+    if mode == "save":
+        from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
+
+        if os.environ.get("TENSORIZER_MANIFEST_CPU_GEMM") == "fallback":
+            apply_cpu_gemm("fallback")
+        start = time.perf_counter()
+        save_checkpoint(argv[1], argv[2], dtype="bfloat16", max_model_len=128)
+        return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+    if mode == "native":
+        from vllm import LLM
+
+        llm = LLM(model=argv[1], **ENGINE, kv_cache_memory_bytes=64 << 20)
+        try:
+            llm.collective_rpc("save_tensorized_model", kwargs={"tensorizer_config": {"tensorizer_uri": argv[2]}})
+        except Exception:  # vLLM then downloads extra artifacts from the hub, which fails offline
+            pass
+        return {}
+    return load(mode, argv[1], argv[2] if len(argv) > 2 else "")
+
+
+def load(path: str, model_dir: str, extra: str) -> dict:
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from tensorizer_manifest import WORKER_EXTENSION
+    from tensorizer_manifest.vllm_integration import ManifestModelLoader, apply_cpu_gemm_from_env
+
+    apply_cpu_gemm_from_env()
+    timer = _Timer()
+    timer.wrap(base_loader.BaseModelLoader, "load_model", "load_model")
+    timer.wrap(ManifestModelLoader, "load_model", "load_model")
+    timer.wrap(DefaultModelLoader, "load_weights", "default:read_weights")
+    timer.wrap(base_loader, "process_weights_after_loading", "default:post_load")
+    timer.wrap(gc, "collect", "gc.collect")
+    kwargs: dict = dict(ENGINE, kv_cache_memory_bytes=64 << 20, model=model_dir)
+    if path.startswith("manifest"):
+        kwargs.update(load_format="tensorizer_manifest", worker_extension_cls=WORKER_EXTENSION)
+    elif path == "tensorizer":
+        kwargs.update(load_format="tensorizer", model_loader_extra_config={"tensorizer_uri": extra})
+    result: dict = {"path": path}
+    start = time.perf_counter()
+    try:
+        llm = LLM(**kwargs)
+        result["llm_seconds"] = time.perf_counter() - start
+        if path.startswith("manifest"):
+            result["report"] = llm.collective_rpc("tensorizer_manifest_report")[0]
+        out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        result["tokens"] = list(out[0].outputs[0].token_ids)
+    except Exception as exc:  # vLLM's tensorizer path fails on CPU: its time to failure is the figure
+        result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        result["llm_seconds"] = time.perf_counter() - start
+    result["seconds"] = timer.seconds
+    result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+# --- machine references (parent) -----------------------------------------------------------------
+
+
+def references(tensor_file: Path, rounds: int) -> dict[str, list[float]]:
+    import blake3
+    import torch
+
+    size = tensor_file.stat().st_size
+
+    def read_fresh(threads: int) -> None:
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        step = -(-size // threads)
+
+        def part(i: int) -> None:
+            with open(tensor_file, "rb", buffering=0) as f:
+                f.seek(i * step)
+                f.readinto(view[i * step : min(size, (i + 1) * step)])
+
+        workers = [threading.Thread(target=part, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    touched = torch.ones(size, dtype=torch.uint8)
+    touched_view = memoryview(touched.numpy())
+
+    def read_touched() -> None:
+        with open(tensor_file, "rb", buffering=0) as f:
+            f.readinto(touched_view)
+
+    data = tensor_file.read_bytes()
+    cases = {
+        "read into fresh memory, 1 thread": lambda: read_fresh(1),
+        "read into fresh memory, 2 threads": lambda: read_fresh(2),
+        "read into touched memory, 1 thread": read_touched,
+        "blake3, 1 thread": lambda: blake3.blake3(data, max_threads=1).digest(),
+    }
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - start)
+    return {"bytes": size, **out}
+
+
+# --- summary -------------------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict, unit: str = "s") -> str:
+    return f"{s['median']:.3f} {unit} [{s['min']:.3f}-{s['max']:.3f}]"
+
+
+def summarise(size: str, runs: list[dict]) -> dict:
+    by_path: dict[str, list[dict]] = {}
+    for run in runs:
+        by_path.setdefault(run["path"], []).append(run)
+    table: dict = {}
+    for path, rs in by_path.items():
+        row = {
+            "llm_seconds": spread([r["llm_seconds"] for r in rs]),
+            "load_model": spread([r["seconds"].get("load_model", float("nan")) for r in rs]),
+            "peak_rss_mb": spread([r["peak_rss_mb"] for r in rs]),
+            "failed": sum("error" in r for r in rs),
+        }
+        if path.startswith("manifest"):
+            laps = [r["report"]["seconds"] for r in rs]
+            for lap in laps[0]:
+                row[lap] = spread([lap_set[lap] for lap_set in laps])
+            row["steps_while_reading"] = spread([r["report"]["step_seconds"]["while_reading"] for r in rs])
+            row["steps_total"] = spread([r["report"]["step_seconds"]["total"] for r in rs])
+        elif path.startswith("default"):
+            for key in ("default:read_weights", "default:post_load", "gc.collect"):
+                row[key] = spread([r["seconds"].get(key, 0.0) for r in rs])
+        table[path] = row
+    ratios: dict = {}
+    rounds = len(by_path.get("default", []))
+    for ours, base in (("manifest-mixed", "default"), ("manifest-processed", "default"),
+                       ("manifest-processed", "default-fallback")):  # fmt: skip
+        if ours in by_path and base in by_path:
+            for metric in ("load_model", "llm_seconds"):
+                pairs = [
+                    (a["seconds"]["load_model"], b["seconds"]["load_model"])
+                    if metric == "load_model"
+                    else (a["llm_seconds"], b["llm_seconds"])
+                    for a, b in zip(by_path[ours][:rounds], by_path[base][:rounds], strict=True)
+                ]
+                ratios[f"{ours} / {base}: {metric}"] = spread([a / b for a, b in pairs])
+    return {"size": size, "paths": table, "ratios": ratios}
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\n== {summary['size']} ==")
+    for path, row in summary["paths"].items():
+        print(f"  {path:<20} LLM() {fmt(row['llm_seconds'])}  load_model {fmt(row['load_model'])}  "
+              f"peak RSS {fmt(row['peak_rss_mb'], 'MB')}" + (f"  FAILED x{row['failed']}" if row["failed"] else ""))  # fmt: skip
+        for key, value in row.items():
+            if key not in ("llm_seconds", "load_model", "peak_rss_mb", "failed"):
+                print(f"      {key:<28} {fmt(value)}")
+    for name, value in summary["ratios"].items():
+        print(f"  ratio {name:<52} {fmt(value, 'x')}")
+
+
+def plot(summaries: list[dict], refs: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot; `make bench` installs it)")
+        return
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4.2), squeeze=False)
+    for ax, summary in zip(axes[0], summaries, strict=True):
+        paths = [p for p in PATHS if p in summary["paths"]]
+        med = [summary["paths"][p]["load_model"]["median"] for p in paths]
+        low = [m - summary["paths"][p]["load_model"]["min"] for p, m in zip(paths, med, strict=True)]
+        high = [summary["paths"][p]["load_model"]["max"] - m for p, m in zip(paths, med, strict=True)]
+        ax.bar(range(len(paths)), med, yerr=[low, high], capsize=4,
+               color=["#888", "#2a7", "#aaa", "#195", "#c44"][: len(paths)])  # fmt: skip
+        ax.set_xticks(range(len(paths)), paths, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{summary['size']}: load_model (median, min-max)")
+        ax.set_ylabel("seconds")
+        if summary["size"] == "large" and refs:
+            ax.axhline(statistics.median(refs["read into fresh memory, 2 threads"]), ls="--", color="k", lw=0.8,
+                       label="read file into fresh memory, 2 threads")  # fmt: skip
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="small,medium,large")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "load.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "load.png")
+    args = parser.parse_args()
+    import platform
+
+    import torch
+
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "avx512": torch.backends.cpu.get_cpu_capability(),
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
+    }
+    print(f"machine: {machine}")
+    summaries, refs = [], {}
+    for size in args.sizes.split(","):
+        dirs = prepare(args.work, size)
+        paths = [p for p in args.paths.split(",") if p]
+        runs = []
+        for round_ in range(args.rounds):
+            for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
+                target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
+                          "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"]}[path]  # fmt: skip
+                env = FALLBACK_ENV if path in ("default-fallback", "manifest-processed") else {}
+                runs.append(run_child(path, target, dirs["native"], env=env))
+        summary = summarise(size, runs)
+        summary["save"] = {k: dirs[k] for k in dirs if k.startswith("save-")}
+        print_summary(summary)
+        summaries.append(summary)
+        if size == "large":
+            tensor_file = next(Path(dirs["mixed"]).glob("*.tensors"))
+            raw = references(tensor_file, args.rounds)
+            refs = {k: v for k, v in raw.items() if k != "bytes"}
+            print(f"  machine references over {raw['bytes'] / 1e9:.2f} GB:")
+            for name, values in refs.items():
+                print(f"      {name:<36} {fmt(spread(values))}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "sizes": summaries, "references": refs}, indent=1))
+    print(f"results: {args.out}")
+    plot(summaries, refs, args.plot)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        result = child(sys.argv[2:])
+        print(MARK + json.dumps(result), flush=True)
+        os._exit(0)
+    main()
