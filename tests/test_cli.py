@@ -37,7 +37,13 @@ def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
     assert doc["summary"]["raw_layers"] == raw == 8
     assert doc["summary"]["tensor_file_bytes"] == (checkpoint / manifest["tensor_file"]["path"]).stat().st_size
     qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
-    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and "azp_adj" in qkv["runtime_state"]
+    # What the int8 kernel's step creates differs by CPU (azp_adj without oneDNN's VNNI path, a kernel object
+    # with it): the table shows whatever the capture saw.
+    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and qkv["runtime_state"]
+    saved = next(m for m in manifest["modules"] if m["path"] == qkv["path"])
+    assert [a["name"] if a["owner"] == "layer" else f"{a['owner']}.{a['name']}" for a in saved["runtime_state"]] == qkv[
+        "runtime_state"
+    ]
 
 
 @pytest.mark.e2e
