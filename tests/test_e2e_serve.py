@@ -93,6 +93,12 @@ def test_openai_server_serves_the_checkpoint_token_exact(scenarios, tmp_path):
         )
         reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert reply["choices"][0]["token_ids"] == result["reference_tokens"][0]
+        # The load line reaches a `vllm serve` user through vLLM's own logging, like its "Loading weights took".
+        logged = (tmp_path / "server.log").read_text()
+        line = next((x for x in logged.splitlines() if "Loading weights with tensorizer_manifest took" in x), "")
+        assert " INFO " in line and "content hashes checked" in line and "processed layer(s) restored" in line, logged[
+            -3000:
+        ]
     finally:
         server.terminate()
         try:
