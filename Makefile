@@ -1,5 +1,7 @@
 # The two commands README.md promises: `make demo` and `make test`.
-.PHONY: setup demo test test-quick bench schema
+.PHONY: setup demo test test-quick lint format bench schema
+
+SOURCES = tensorizer_manifest tests scripts benchmarks
 
 .venv/.setup-complete: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -9,13 +11,23 @@ setup: .venv/.setup-complete
 demo: setup
 	.venv/bin/tensorizer-manifest demo
 
-# Every test, the slow end-to-end ones on real vLLM included (what CI runs).
-test: setup
+# Lint, format check and the import layers, then every test, the slow end-to-end ones on real vLLM
+# included (what CI runs).
+test: lint
 	.venv/bin/python -m pytest -q
 
 # The fast subset, for work in progress.
-test-quick: setup
+test-quick: lint
 	.venv/bin/python -m pytest -q -m "not e2e"
+
+lint: setup
+	.venv/bin/ruff check $(SOURCES)
+	.venv/bin/ruff format --check $(SOURCES)
+	.venv/bin/lint-imports
+
+format: setup
+	.venv/bin/ruff check --fix $(SOURCES)
+	.venv/bin/ruff format $(SOURCES)
 
 schema: setup
 	.venv/bin/tensorizer-manifest schema > schemas/manifest-v1.schema.json

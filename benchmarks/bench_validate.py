@@ -35,7 +35,8 @@ import blake3  # noqa: E402
 import torch  # noqa: E402
 
 from tensorizer_manifest.capture import Capture, CapturedLayer, TensorSlot  # noqa: E402
-from tensorizer_manifest.tensors import TensorFileReader, hash_tensor, tensor_bytes  # noqa: E402
+from tensorizer_manifest.tensor_file import TensorFileReader  # noqa: E402
+from tensorizer_manifest.tensors import hash_tensor, tensor_bytes  # noqa: E402
 from tensorizer_manifest.validate import validate_checkpoint  # noqa: E402
 from tensorizer_manifest.write import write_checkpoint  # noqa: E402
 
@@ -68,12 +69,16 @@ def bench_hashing(mb: int, repeat: int) -> None:
     cases = [
         ("hash_tensor (blake3, as the manifest uses it)", lambda: hash_tensor(tensor), "1"),
         ("blake3(max_threads=1)", lambda: blake3.blake3(data, max_threads=1).digest(), "1"),
-        ("blake3(max_threads=blake3.AUTO)", lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), f"up to {os.cpu_count()}"),
+        (
+            "blake3(max_threads=blake3.AUTO)",
+            lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(),
+            f"up to {os.cpu_count()}",
+        ),
         ("hashlib.sha256", lambda: hashlib.sha256(data).digest(), "1"),
         ("hashlib.blake2b", lambda: hashlib.blake2b(data).digest(), "1"),
     ]
     seconds = best_of(repeat, [fn for _, fn, _ in cases])
-    results = [(name, threads, s, size / s / GB) for (name, _, threads), s in zip(cases, seconds)]
+    results = [(name, threads, s, size / s / GB) for (name, _, threads), s in zip(cases, seconds, strict=True)]
     base = results[3][3]  # sha256
     print(f"   {'hash':<48} {'threads':>8} {'seconds':>9} {'GB/s':>7} {'x sha256':>9}")
     for name, threads, seconds, rate in results:
@@ -82,7 +87,7 @@ def bench_hashing(mb: int, repeat: int) -> None:
 
 def big_capture(mb: int) -> Capture:
     """Layers of bfloat16 [rows, 4096] weights (and a float32 scale each), about ``mb`` MB in all."""
-    from synthetic import FINGERPRINT
+    from helpers.synthetic import FINGERPRINT
 
     per_layer = 32 * MB  # a 4096 x 4096 bfloat16 matrix
     n_layers = max(1, round(mb * MB / per_layer))
@@ -131,8 +136,10 @@ def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
     stored = manifest.tensor_file.tensor_count
     report = validate_checkpoint(directory)
     assert report.ok, report.problems  # a benchmark of a failing validation would mean nothing
-    print(f"\n2. checkpoint of {size / MB:.0f} MB, {stored} stored tensors, written in {write_s:.1f} s "
-          f"(page cache warm; best of {repeat})")
+    print(
+        f"\n2. checkpoint of {size / MB:.0f} MB, {stored} stored tensors, written in {write_s:.1f} s "
+        f"(page cache warm; best of {repeat})"
+    )
     loaded = read_all(directory)
     rows = [
         ("validate_checkpoint(verify_hashes=False)", lambda: validate_checkpoint(directory, verify_hashes=False)),
@@ -140,27 +147,35 @@ def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
         ("load: TensorFileReader.read every tensor", lambda: read_all(directory)),
         ("load + hash_tensor of every tensor", lambda: read_and_hash_all(directory)),
     ]
-    results = list(zip([name for name, _ in rows], best_of(repeat, [fn for _, fn in rows])))
+    results = list(zip([name for name, _ in rows], best_of(repeat, [fn for _, fn in rows]), strict=True))
     load_s = results[2][1]
     print(f"   {'step':<48} {'seconds':>9} {'GB/s':>7} {'x load':>8}")
     for i, (name, seconds) in enumerate(results):
         rate = "-" if i == 0 else f"{loaded / seconds / GB:.2f}"  # metadata only reads no tensor bytes
         print(f"   {name:<48} {seconds:9.4f} {rate:>7} {seconds / load_s:8.3f}")
     meta = results[0][1]
-    print(f"   metadata-only validation: {meta * 1e3:.1f} ms ({meta / load_s:.1%} of the load); "
-          f"full validation: {results[1][1] / load_s:.2f}x the load")
+    print(
+        f"   metadata-only validation: {meta * 1e3:.1f} ms ({meta / load_s:.1%} of the load); "
+        f"full validation: {results[1][1] / load_s:.2f}x the load"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=int, default=256, help="MB of tensor bytes to hash and to write as a checkpoint (default 256)")
+    parser.add_argument(
+        "--mb", type=int, default=256, help="MB of tensor bytes to hash and to write as a checkpoint (default 256)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the best is shown (default 3)")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the checkpoint (default: a temporary directory)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"python {platform.python_version()}, torch {torch.__version__}, blake3 {blake3.__version__}, "
-          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, blake3 {blake3.__version__}, "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+    )
     start = time.perf_counter()
     bench_hashing(args.mb, args.repeat)
     workdir = Path(tempfile.mkdtemp(prefix="tm-bench-", dir=args.workdir))

@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
-
 import test_fuzz as tf  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 PROPERTIES = {
     "manifest-structure": (tf.manifest_edits, tf.check_manifest_edit),
@@ -45,13 +44,15 @@ def run_property(name: str, examples: int, run_seed: int) -> bool:
         calls += 1
         check(case)
 
-    test = seed(run_seed)(settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        print_blob=False,
-        suppress_health_check=list(HealthCheck),
-    )(given(strategy())(body)))
+    test = seed(run_seed)(
+        settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            print_blob=False,
+            suppress_health_check=list(HealthCheck),
+        )(given(strategy())(body))
+    )
     start = time.perf_counter()
     try:
         test()
@@ -61,7 +62,10 @@ def run_property(name: str, examples: int, run_seed: int) -> bool:
         print(f"--- {name}: FAILURE ---", flush=True)
         traceback.print_exc(file=sys.stdout)
     elapsed = time.perf_counter() - start
-    print(f"{name}: {calls} examples run (shrinking included), {elapsed:.1f} s, {'FAILED' if failed else 'ok'}", flush=True)
+    print(
+        f"{name}: {calls} examples run (shrinking included), {elapsed:.1f} s, {'FAILED' if failed else 'ok'}",
+        flush=True,
+    )
     return not failed
 
 
@@ -69,23 +73,39 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=2000, help="examples per property (default 2000)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random, printed)")
-    parser.add_argument("--only", nargs="*", default=None, metavar="SUBSTRING", help=f"run the properties whose name contains one of these: {', '.join(PROPERTIES)}")
-    parser.add_argument("--include-known-bugs", action="store_true", help="do not steer around the open bugs pinned by xfail tests")
-    parser.add_argument("--headroom-mb", type=int, default=tf.MEMORY_HEADROOM >> 20, help="address space a check may add (0: no cap)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        metavar="SUBSTRING",
+        help=f"run the properties whose name contains one of these: {', '.join(PROPERTIES)}",
+    )
+    parser.add_argument(
+        "--include-known-bugs", action="store_true", help="do not steer around the open bugs pinned by xfail tests"
+    )
+    parser.add_argument(
+        "--headroom-mb", type=int, default=tf.MEMORY_HEADROOM >> 20, help="address space a check may add (0: no cap)"
+    )
     args = parser.parse_args()
 
     run_seed = args.seed if args.seed is not None else random.randrange(2**32)
     tf.SKIP_KNOWN_BUGS = not args.include_known_bugs
     tf.MEMORY_HEADROOM = args.headroom_mb << 20
     names = [n for n in PROPERTIES if not args.only or any(s in n for s in args.only)]
-    print(f"fuzzing {', '.join(names)}: {args.examples} examples each, seed {run_seed}, "
-          f"open bugs {'included' if args.include_known_bugs else 'steered around'}", flush=True)
+    print(
+        f"fuzzing {', '.join(names)}: {args.examples} examples each, seed {run_seed}, "
+        f"open bugs {'included' if args.include_known_bugs else 'steered around'}",
+        flush=True,
+    )
     tf.pristine()  # build the checkpoint before the clock starts
     ok = [run_property(name, args.examples, run_seed) for name in names]
     print("outcomes:")
     for key, count in sorted(tf.STATS.items()):
         print(f"  {count:7d}  {key}")
-    print(f"{sum(ok)}/{len(ok)} properties held" + ("" if all(ok) else f"; failed: {', '.join(n for n, good in zip(names, ok) if not good)}"))
+    print(
+        f"{sum(ok)}/{len(ok)} properties held"
+        + ("" if all(ok) else f"; failed: {', '.join(n for n, good in zip(names, ok, strict=True) if not good)}")
+    )
     return 0 if all(ok) else 1
 
 

@@ -2,17 +2,25 @@
 
 Save with :func:`save_checkpoint` (or ``tensorizer-manifest save``), load with
 ``LLM(model=OUT, load_format="tensorizer_manifest")``, look inside with
-``tensorizer-manifest inspect``. Importing this package imports neither torch
-nor vLLM; the functions below import them when called.
+``tensorizer-manifest inspect`` or :func:`read_manifest`, check with
+:func:`validate_checkpoint`. Support a new kernel with a :class:`Restorer`
+(``register_restorer``).
+
+Importing this package imports neither torch nor vLLM: the names that need
+them are loaded on first use (PEP 562), so ``inspect`` and ``schema`` answer fast.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
+from ._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT, WORKER_EXTENSION, __version__
+from .checkpoint import read_manifest
 from .errors import (
     CheckpointNotFoundError,
     CompatibilityError,
+    ConfigurationError,
     IntegrityError,
     ManifestError,
     ManifestVersionError,
@@ -22,23 +30,36 @@ from .errors import (
 )
 from .schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
 
-LOAD_FORMAT = "tensorizer_manifest"
-CAPTURE_LOAD_FORMAT = "tensorizer_manifest_capture"
-WORKER_EXTENSION = "tensorizer_manifest.vllm_integration.ManifestWorkerExtension"
+if TYPE_CHECKING:
+    from .restorers import Restorer
+    from .restorers import register as register_restorer
+    from .save import SaveOptions, SaveResult, save_checkpoint
+    from .validate import Problem, ValidationReport, validate_checkpoint
+
+#: Public names that import torch (and some vLLM) when first used: name -> (module, attribute).
+_LAZY: dict[str, tuple[str, str]] = {
+    "save_checkpoint": (".save", "save_checkpoint"),
+    "SaveOptions": (".save", "SaveOptions"),
+    "SaveResult": (".save", "SaveResult"),
+    "validate_checkpoint": (".validate", "validate_checkpoint"),
+    "ValidationReport": (".validate", "ValidationReport"),
+    "Problem": (".validate", "Problem"),
+    "Restorer": (".restorers", "Restorer"),
+    "register_restorer": (".restorers", "register"),
+}
 
 
-def save_checkpoint(src, out, **engine_args):
-    """Load ``src`` with vLLM and write a self-describing checkpoint to ``out``. See ``save.py``."""
-    from .save import save_checkpoint as _save
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name, __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    return _save(src, out, **engine_args)
 
-
-def read_manifest(path):
-    """The manifest of a checkpoint directory or manifest file (no torch, no vLLM)."""
-    from .checkpoint import load_manifest
-
-    return load_manifest(path)[0]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
@@ -47,16 +68,28 @@ __all__ = [
     "LOAD_FORMAT",
     "CAPTURE_LOAD_FORMAT",
     "WORKER_EXTENSION",
-    "Manifest",
+    # saving
     "save_checkpoint",
+    "SaveOptions",
+    "SaveResult",
+    # reading and checking
+    "Manifest",
     "read_manifest",
     "decode_manifest",
     "encode_manifest",
     "json_schema",
+    "validate_checkpoint",
+    "ValidationReport",
+    "Problem",
+    # extending
+    "Restorer",
+    "register_restorer",
+    # errors
     "TensorizerManifestError",
     "ManifestError",
     "ManifestVersionError",
     "CheckpointNotFoundError",
+    "ConfigurationError",
     "IntegrityError",
     "CompatibilityError",
     "UnsupportedModelError",

@@ -1,14 +1,27 @@
-"""Finding and reading a checkpoint's manifest. No torch, no vLLM: ``inspect`` uses it too."""
+"""Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names.
+
+No torch, no vLLM: ``inspect`` uses it too. Reading goes through ``schema.decode_manifest``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, ManifestError
+from .errors import CheckpointNotFoundError, ManifestError, TensorizerManifestError
 from .schema import MANIFEST_SUFFIX, Manifest, decode_manifest
 
 #: Manifests larger than this are refused before parsing.
 MAX_MANIFEST_BYTES = 256 << 20
+
+
+def checkpoint_stem(tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """``model`` for one rank, ``model-tp{r}-of-{n}`` (and ``-pp{r}-of-{n}``) when sharded."""
+    stem = "model"
+    if tp_size > 1:
+        stem += f"-tp{tp_rank}-of-{tp_size}"
+    if pp_size > 1:
+        stem += f"-pp{pp_rank}-of-{pp_size}"
+    return stem
 
 
 def find_manifest(path: str | Path, stem: str | None = None) -> Path:
@@ -35,17 +48,38 @@ def find_manifest(path: str | Path, stem: str | None = None) -> Path:
     return found[0]
 
 
-def read_manifest(path: str | Path) -> Manifest:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path}: manifest not found")
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
-    return decode_manifest(path.read_bytes(), source=str(path))
-
-
 def load_manifest(path: str | Path, stem: str | None = None) -> tuple[Manifest, Path]:
-    """The manifest of a checkpoint directory or manifest file, and where it was found."""
+    """The manifest of a checkpoint directory or manifest file, and the file it was read from."""
     manifest_path = find_manifest(path, stem)
-    return read_manifest(manifest_path), manifest_path
+    size = manifest_path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{manifest_path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
+    return decode_manifest(manifest_path.read_bytes(), source=str(manifest_path)), manifest_path
+
+
+def read_manifest(path: str | Path, stem: str | None = None) -> Manifest:
+    """The manifest of a checkpoint directory or manifest file (no torch, no vLLM)."""
+    return load_manifest(path, stem)[0]
+
+
+def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
+    """The tensor file: a plain name inside the checkpoint directory, no link out of it."""
+    name = manifest.tensor_file.path
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("~") or "\0" in name:
+        raise ManifestError(
+            f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory"
+        )
+    try:
+        directory = manifest_path.parent.resolve()
+        path = manifest_path.parent / name
+        if path.is_symlink() and path.resolve().parent != directory:
+            raise ManifestError(f"{manifest_path}: tensor file {name!r} is a link out of the checkpoint directory")
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
+    except TensorizerManifestError:
+        raise
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise ManifestError(
+            f"{manifest_path}: tensor file {name[:80]!r} cannot be used ({exc.strerror or exc})"
+        ) from None
+    return path

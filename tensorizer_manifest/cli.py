@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
 import click
 from rich.console import Console
 
@@ -21,6 +22,8 @@ from .errors import TensorizerManifestError
 def app() -> None:
     """Self-describing vLLM tensorizer checkpoints: save, inspect, validate, and load with
     load_format='tensorizer_manifest'."""
+
+
 # Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
 _WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
 console = Console(width=_WIDTH)
@@ -53,7 +56,10 @@ def inspect(path: Path, json: bool) -> None:
         render(manifest, str(manifest_path), console)
         others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
         if path.is_dir() and others:
-            console.print(f"(this directory holds {len(others) + 1} rank manifests; inspect the others by file: {', '.join(others)})")
+            console.print(
+                f"(this directory holds {len(others) + 1} rank manifests; "
+                f"inspect the others by file: {', '.join(others)})"
+            )
 
 
 @app.command()
@@ -64,8 +70,21 @@ def inspect(path: Path, json: bool) -> None:
 @click.option("--quantization", default=None, help="... with this quantization ('none' for unquantized).")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="... with this TP size.")
 @click.option("--pipeline-parallel-size", "-pp", type=int, default=None, help="... with this PP size.")
-@click.option("--engine", is_flag=True, help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels.")
-def validate(path: Path, json: bool, hashes: bool, dtype, quantization, tensor_parallel_size, pipeline_parallel_size, engine: bool) -> None:
+@click.option(
+    "--engine",
+    is_flag=True,
+    help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels.",
+)
+def validate(
+    path: Path,
+    json: bool,
+    hashes: bool,
+    dtype,
+    quantization,
+    tensor_parallel_size,
+    pipeline_parallel_size,
+    engine: bool,
+) -> None:
     """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
     import msgspec
 
@@ -75,12 +94,14 @@ def validate(path: Path, json: bool, hashes: bool, dtype, quantization, tensor_p
     problems = list(report.problems)
     if report.manifest_path is not None:
         problems += check_engine_settings(
-            report.manifest_path, dtype=dtype, quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            report.manifest_path,
+            dtype=dtype,
+            quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
         )
         if engine and not problems:
             import contextlib
-            import os
 
             # vLLM logs to stdout; keep stdout for the report.
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -91,7 +112,7 @@ def validate(path: Path, json: bool, hashes: bool, dtype, quantization, tensor_p
     if json:
         doc = report.to_dict()
         doc["ok"] = not problems
-        doc["problems"] = [{"error": p.kind.__name__, "where": p.where, "message": p.message} for p in problems]
+        doc["problems"] = [p.to_dict() for p in problems]
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
     elif problems:
         for problem in problems:
@@ -157,26 +178,47 @@ def schema() -> None:
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--revision", default=None)
 @click.option("--trust-remote-code", is_flag=True)
-@click.option("--cpu-gemm", type=click.Choice(["auto", "fallback"]), default="auto", show_default=True,
-              help="CPU only: 'fallback' keeps linear weights so those layers save processed.")
-def save(src: str, out: Path, dtype, quantization, tensor_parallel_size, pipeline_parallel_size, max_model_len,
-         revision, trust_remote_code: bool, cpu_gemm: str) -> None:
+@click.option(
+    "--cpu-gemm",
+    type=click.Choice(["auto", "fallback"]),
+    default="auto",
+    show_default=True,
+    help="CPU only: 'fallback' keeps linear weights so those layers save processed.",
+)
+def save(
+    src: str,
+    out: Path,
+    dtype,
+    quantization,
+    tensor_parallel_size,
+    pipeline_parallel_size,
+    max_model_len,
+    revision,
+    trust_remote_code: bool,
+    cpu_gemm: str,
+) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json)."""
-    from pydantic import ValidationError
-
+    from .errors import ConfigurationError
     from .save import save_checkpoint
 
     try:
         result = save_checkpoint(
-            src, out, dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, max_model_len=max_model_len, revision=revision,
-            trust_remote_code=trust_remote_code, cpu_gemm=cpu_gemm,
+            src,
+            out,
+            dtype=dtype,
+            quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            max_model_len=max_model_len,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            cpu_gemm=cpu_gemm,
         )
-    except ValidationError as exc:
-        err_console.print(f"[red]error:[/red] invalid option: {exc}")
-        raise SystemExit(2)
+    except ConfigurationError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
     except TensorizerManifestError as exc:
         _fail(exc)
     for rank in result.ranks:
@@ -189,13 +231,26 @@ def save(src: str, out: Path, dtype, quantization, tensor_parallel_size, pipelin
 
 
 @app.command()
-@click.option("--work-dir", type=_PATH, default=Path(".cache/demo"), show_default=True,
-              help="Where the tiny model and checkpoint are kept (cached).")
-@click.option("--kind", type=click.Choice(["w8a8-int8", "llama", "qwen3-tied", "qwen2-bias"]), default="w8a8-int8",
-              show_default=True, help="Tiny model; w8a8-int8 has raw and processed layers.")
+@click.option(
+    "--work-dir",
+    type=_PATH,
+    default=Path(".cache/demo"),
+    show_default=True,
+    help="Where the tiny model and checkpoint are kept (cached).",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["w8a8-int8", "llama", "qwen3-tied", "qwen2-bias"]),
+    default="w8a8-int8",
+    show_default=True,
+    help="Tiny model; w8a8-int8 has raw and processed layers.",
+)
 @click.option("--max-tokens", type=int, default=16, show_default=True)
-def demo(work_dir: Path, kind: str, max_tokens: int) -> None:
+@click.option("--verbose", "-v", is_flag=True, help="Show vLLM's INFO logs (only its warnings and errors otherwise).")
+def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
+    # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     from .demo import run_demo
 
     try:

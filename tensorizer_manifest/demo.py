@@ -6,18 +6,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import WORKER_EXTENSION
+from ._constants import LOAD_FORMAT, WORKER_EXTENSION
+from .checkpoint import load_manifest
+from .inspect import render
+from .save import save_checkpoint, shutdown
 from .tiny import DEMO_PROMPTS, build_tiny_model
 
 
-def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any):
+def generate_tokens(
+    model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any
+):
     """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start.
 
     With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it.
     """
     from vllm import LLM, SamplingParams
-
-    from .save import shutdown
 
     started = time.perf_counter()
     llm = LLM(
@@ -45,10 +48,6 @@ def generate_tokens(model_dir: str | Path, load_format: str = "auto", max_tokens
 
 
 def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
-    from .checkpoint import load_manifest
-    from .inspect import render
-    from .save import save_checkpoint
-
     work_dir = Path(work_dir).resolve()
     t0 = time.perf_counter()
     model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
@@ -66,7 +65,7 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     render(manifest, str(manifest_path), console)
 
     report: dict = {}
-    tm_tokens, _, tm_start = generate_tokens(out_dir, "tensorizer_manifest", max_tokens, report=report)
+    tm_tokens, _, tm_start = generate_tokens(out_dir, LOAD_FORMAT, max_tokens, report=report)
     console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
     laps = report.get("seconds", {})
     console.print(
@@ -74,13 +73,17 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
         f"{len(report.get('restored', {}))} processed layer(s) restored without it"
     )
     console.print(
-        "load: " + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
-        + f"; {report.get('bytes_read', 0):,} bytes read, hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
+        "load: "
+        + ", ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in laps.items())
+        + f"; {report.get('bytes_read', 0):,} bytes read, "
+        + f"hashes {'verified' if report.get('verify_hashes') else 'not verified'}"
     )
 
     ok = tm_tokens == ref_tokens
-    for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens)):
+    for i, (prompt_len, ref, got) in enumerate(zip(prompt_lengths, ref_tokens, tm_tokens, strict=True)):
         mark = "[green]match[/green]" if ref == got else "[red]DIFFER[/red]"
         console.print(f"prompt {i} ({prompt_len} tokens): {mark}\n  default : {ref}\n  manifest: {got}")
-    console.rule("[green]token-for-token identical to vLLM's default loader[/green]" if ok else "[red]tokens differ[/red]")
+    console.rule(
+        "[green]token-for-token identical to vLLM's default loader[/green]" if ok else "[red]tokens differ[/red]"
+    )
     return ok

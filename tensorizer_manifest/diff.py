@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .schema import Manifest, ModuleRecord
+from .schema import Manifest, ModuleRecord, kernel_map
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ManifestDiff:
             "fingerprint": [{"field": f, "a": a, "b": b} for f, a, b in self.fingerprint],
             "layers_added": self.layers_added,
             "layers_removed": self.layers_removed,
-            "layers_changed": [{"layer": l, "what": w, "a": a, "b": b} for l, w, a, b in self.layers_changed],
+            "layers_changed": [{"layer": p, "what": w, "a": a, "b": b} for p, w, a, b in self.layers_changed],
         }
 
 
@@ -35,8 +35,7 @@ def _layer_changes(a: ModuleRecord, b: ModuleRecord) -> list[tuple[str, object, 
     for attr in ("module_class", "quant_method", "state", "replay"):
         if getattr(a, attr) != getattr(b, attr):
             changes.append((attr, getattr(a, attr), getattr(b, attr)))
-    ka = {(k.owner, k.attr): k.kernel_class for k in a.kernels}
-    kb = {(k.owner, k.attr): k.kernel_class for k in b.kernels}
+    ka, kb = kernel_map(a.kernels), kernel_map(b.kernels)
     for key in sorted(set(ka) | set(kb)):
         if ka.get(key) != kb.get(key):
             changes.append((f"kernel {key[0]}.{key[1]}", ka.get(key), kb.get(key)))

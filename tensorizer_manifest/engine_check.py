@@ -10,11 +10,17 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ._constants import LOAD_FORMAT
+from .checkpoint import read_manifest
 from .errors import TensorizerManifestError
+from .fingerprint import check_compatible, engine_fingerprint
+from .load import check_model
 from .validate import Problem
 
 
-def check_against_engine(manifest_path: Path, *, dtype: str | None = None, quantization: str | None = None) -> list[Problem]:
+def check_against_engine(
+    manifest_path: Path, *, dtype: str | None = None, quantization: str | None = None
+) -> list[Problem]:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -22,28 +28,33 @@ def check_against_engine(manifest_path: Path, *, dtype: str | None = None, quant
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from . import LOAD_FORMAT
-    from .checkpoint import read_manifest
-    from .fingerprint import check_compatible, engine_fingerprint
-    from .load import check_model
-    from .vllm_integration import _model_class_name
-
     manifest = read_manifest(manifest_path)
     fp = manifest.fingerprint
     if fp.tensor_parallel_size != 1 or fp.pipeline_parallel_size != 1:
-        return [Problem(TensorizerManifestError, str(manifest_path), "--engine checks single-rank checkpoints only; the loader checks sharded ones at start-up")]
+        return [
+            Problem(
+                TensorizerManifestError,
+                str(manifest_path),
+                "--engine checks single-rank checkpoints only; the loader checks sharded ones at start-up",
+            )
+        ]
     args = EngineArgs(
-        model=str(manifest_path.parent), load_format=LOAD_FORMAT, dtype=dtype or fp.dtype,
-        quantization=quantization if quantization not in (None, "none") else None, enforce_eager=True,
+        model=str(manifest_path.parent),
+        load_format=LOAD_FORMAT,
+        dtype=dtype or fp.dtype,
+        quantization=quantization if quantization not in (None, "none") else None,
+        enforce_eager=True,
         max_model_len=None,
     )
     vllm_config = args.create_engine_config()
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tmp}/dist", backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tmp}/dist", backend="gloo"
+        )
         initialize_model_parallel(1, 1)
         model_config = vllm_config.model_config
         try:
-            check_compatible(fp, engine_fingerprint(vllm_config, _model_class_name(model_config)), manifest, str(manifest_path))
+            check_compatible(fp, engine_fingerprint(vllm_config), manifest, str(manifest_path))
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config)
             check_model(manifest, model)

@@ -4,6 +4,7 @@
     ├── ManifestError (ValueError)            the manifest itself is unreadable or malformed
     │   └── ManifestVersionError               written by a newer format version
     ├── CheckpointNotFoundError (FileNotFoundError)
+    ├── ConfigurationError (ValueError)         an option the user passed is invalid
     ├── IntegrityError (ValueError)            tensor file and manifest disagree (size, hash, records)
     ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
@@ -31,6 +32,13 @@ class ManifestVersionError(ManifestError):
 
 class CheckpointNotFoundError(TensorizerManifestError, FileNotFoundError):
     """A checkpoint directory, manifest or tensor file is missing."""
+
+
+class ConfigurationError(TensorizerManifestError, ValueError):
+    """An option is invalid: ``model_loader_extra_config``, save options, a CLI flag.
+
+    A mistake in how the package was called, not a fault of the checkpoint or the engine.
+    """
 
 
 class IntegrityError(TensorizerManifestError, ValueError):
@@ -61,6 +69,7 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "CheckpointNotFoundError",
+    "ConfigurationError",
     "IntegrityError",
     "CompatibilityError",
     "UnsupportedModelError",

@@ -16,12 +16,12 @@ field, because not every difference matters equally:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
+from . import _vllm_compat
 from .errors import CompatibilityError
-from .schema import Fingerprint, Manifest
+from .restorers import RESTORERS
+from .schema import REPLAY_NONE, Fingerprint, Manifest
 
 EXACT = (
     "architectures",
@@ -38,57 +38,42 @@ EXACT = (
 )
 PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability", "linear_backend", "moe_backend")
 INFORMATIONAL = (
-    "torch_version", "tensorizer_version", "data_parallel_size", "data_parallel_rank", "cpu_onednn", "revision",
+    "torch_version",
+    "tensorizer_version",
+    "data_parallel_size",
+    "data_parallel_rank",
+    "cpu_onednn",
+    "revision",
 )
 
-
-def _quant_config_hash(model_config: Any) -> str | None:
-    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
-    if quant_cfg is None and model_config.quantization is None:
-        return None
-    try:
-        from vllm.model_executor.model_loader.weight_cache.protocol import _hash_quant_config
-
-        return _hash_quant_config(
-            quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config
-        )
-    except ImportError:  # pragma: no cover - older vLLM
-        blob = json.dumps(quant_cfg, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
 
 
-def engine_fingerprint(vllm_config: Any, model_class: str) -> Fingerprint:
+def engine_fingerprint(vllm_config: Any) -> Fingerprint:
     """Fingerprint of the engine in this process. Call before weights are processed."""
     import tensorizer
     import torch
     import vllm
-    from vllm.distributed import parallel_state
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    pp_rank = parallel_state.get_pp_group().rank_in_group if parallel_state.model_parallel_is_initialized() else 0
-    capability = None
+    tp_rank, pp_rank = _vllm_compat.parallel_ranks()
     try:
         cap = current_platform.get_device_capability()
         capability = None if cap is None else f"{cap.major}.{cap.minor}"
     except Exception:  # CPU platforms may not define one
         capability = None
-    cpu_onednn = None
-    if current_platform.is_cpu():
-        from vllm import _custom_ops
-
-        cpu_onednn = bool(getattr(_custom_ops, "_supports_onednn", False))
+    kernel_config = getattr(vllm_config, "kernel_config", None)
     return Fingerprint(
         vllm_version=str(vllm.__version__),
         torch_version=str(torch.__version__),
         tensorizer_version=str(getattr(tensorizer, "__version__", "unknown")),
         architectures=list(getattr(model_config.hf_config, "architectures", None) or []),
-        model_class=model_class,
+        model_class=_vllm_compat.model_class_name(model_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=model_config.quantization,
-        quant_config_hash=_quant_config_hash(model_config),
+        quant_config_hash=_vllm_compat.quant_config_hash(model_config),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         tensor_parallel_size=parallel.tensor_parallel_size,
         tensor_parallel_rank=tp_rank,
@@ -97,11 +82,11 @@ def engine_fingerprint(vllm_config: Any, model_class: str) -> Fingerprint:
         data_parallel_size=parallel.data_parallel_size,
         device_type=str(vllm_config.device_config.device_type),
         device_capability=capability,
-        cpu_onednn=cpu_onednn,
+        cpu_onednn=_vllm_compat.onednn_enabled() if current_platform.is_cpu() else None,
         data_parallel_rank=getattr(parallel, "data_parallel_rank", 0) or 0,
         expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
-        linear_backend=_opt_str(getattr(getattr(vllm_config, "kernel_config", None), "linear_backend", None)),
-        moe_backend=_opt_str(getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)),
+        linear_backend=_opt_str(getattr(kernel_config, "linear_backend", None)),
+        moe_backend=_opt_str(getattr(kernel_config, "moe_backend", None)),
         revision=model_config.revision,
     )
 
@@ -112,10 +97,8 @@ def _opt_str(value: Any) -> str | None:
 
 def needs_same_kernels(manifest: Manifest) -> bool:
     """True when a processed layer's tensors are in a kernel-specific form."""
-    from .replay import RESTORERS
-
     for module in manifest.modules:
-        if module.state == "processed" and module.replay != "none":
+        if module.state == "processed" and module.replay != REPLAY_NONE:
             restorer = RESTORERS.get(module.replay)
             if restorer is None or not restorer.kernel_independent:
                 return True
@@ -123,7 +106,7 @@ def needs_same_kernels(manifest: Manifest) -> bool:
 
 
 def compare(saved: Fingerprint, current: Fingerprint, manifest: Manifest) -> list[tuple[str, object, object]]:
-    """Every field that differs and matters under the policy above."""
+    """Every field that differs and matters under the policy above: ``(field, saved, current)``."""
     fields = list(EXACT)
     if needs_same_kernels(manifest):
         fields += list(PROCESSED_ONLY)
@@ -144,3 +127,29 @@ def check_compatible(saved: Fingerprint, current: Fingerprint, manifest: Manifes
             "`tensorizer-manifest save` on this engine.",
             differences,
         )
+
+
+def normalize_dtype(dtype: str) -> str:
+    """A dtype as vLLM's ``--dtype`` accepts it, named as the fingerprint names it."""
+    return _DTYPE_ALIASES.get(dtype, dtype).removeprefix("torch.")
+
+
+def settings_differences(
+    saved: Fingerprint,
+    *,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+) -> list[tuple[str, object, object]]:
+    """The fields an engine's command line decides, checked without vLLM: ``(field, saved, wanted)``."""
+    wanted: list[tuple[str, object, object]] = []
+    if dtype not in (None, "auto"):
+        wanted.append(("dtype", saved.dtype, normalize_dtype(dtype)))
+    if quantization is not None:
+        wanted.append(("quantization", saved.quantization, None if quantization.lower() == "none" else quantization))
+    if tensor_parallel_size is not None:
+        wanted.append(("tensor_parallel_size", saved.tensor_parallel_size, tensor_parallel_size))
+    if pipeline_parallel_size is not None:
+        wanted.append(("pipeline_parallel_size", saved.pipeline_parallel_size, pipeline_parallel_size))
+    return [(name, was, now) for name, was, now in wanted if was != now]

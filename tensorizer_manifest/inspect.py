@@ -8,11 +8,16 @@ import msgspec
 
 from .schema import Manifest, ModuleRecord
 
+
 def _short(qualified: str | None) -> str:
     if not qualified:
         return "-"
     head, _, rest = qualified.partition("[")
-    name = head.rsplit(".", 1)[-1] if "<lambda>" not in head else head.split(".<locals>")[0].rsplit(".", 1)[-1] + ".<lambda>"
+    name = (
+        head.rsplit(".", 1)[-1]
+        if "<lambda>" not in head
+        else head.split(".<locals>")[0].rsplit(".", 1)[-1] + ".<lambda>"
+    )
     return name + (f"[{rest}" if rest else "")
 
 
@@ -87,7 +92,8 @@ def render(manifest: Manifest, source: str, console) -> None:
     s = summary(manifest)
     console.print(
         f"[bold]{s['model_class']}[/bold] {s['dtype']}"
-        f"{' ' + s['quantization'] if s['quantization'] else ''}, TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
+        f"{' ' + s['quantization'] if s['quantization'] else ''}, "
+        f"TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
         f"{s['device']}; vLLM {s['vllm_version']}, torch {s['torch_version']}, tensorizer {s['tensorizer_version']}"
     )
     console.print(

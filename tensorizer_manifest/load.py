@@ -1,30 +1,24 @@
-"""Load side: check the manifest against a freshly built model, then restore tensors exactly.
+"""Load side: check the manifest against a freshly built model, then restore its tensors exactly.
 
-``check_model`` (and ``validate.check_files`` before it) run before a byte of weights is read.
+``check_model`` (and ``validate.check_files`` before it) run before a byte of
+weights is read; ``restore_tensors`` then puts every recorded tensor into the
+model with its dtype, layout, Parameter class and ties. Replay comes after
+(``replay``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .capture import find_kernels, module_tensors
 from .errors import CompatibilityError, IntegrityError
-from .validate import full_name
-from .schema import Manifest, ModuleRecord, TensorRecord
-from .tensors import (
-    TensorFileReader,
-    dtype_name,
-    hash_tensor,
-    make_parameter,
-    materialize,
-    qualified_class,
-)
+from .layers import find_kernels, has_post_load, module_tensors
+from .schema import Manifest, ModuleRecord, TensorRecord, full_name, kernel_map, qualified_class
+from .tensor_file import TensorFileReader
+from .tensors import dtype_name, hash_tensor, make_parameter, materialize
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
     """Compare a freshly built model with the manifest, layer by layer, before any weights are read."""
-    from .capture import has_post_load
-
     records = manifest.module_map()
     problems: list[tuple[str, object, object]] = []
     modules = dict(model.named_modules())
@@ -45,11 +39,11 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
         # Kernels the model already has when built must match for layers a restorer replays;
         # raw layers get theirs chosen again by vLLM's own step.
         if record.state == "processed" and record.replay != "none":
-            fresh_kernels = {(k.owner, k.attr): k.kernel_class for k in find_kernels(module)}
-            for kernel in record.kernels:
-                now = fresh_kernels.get((kernel.owner, kernel.attr))
-                if now is not None and now != kernel.kernel_class:
-                    problems.append((f"{path}.{kernel.owner}.{kernel.attr}", kernel.kernel_class, now))
+            fresh_kernels = kernel_map(find_kernels(module))
+            for (owner, attr), saved_class in kernel_map(record.kernels).items():
+                now = fresh_kernels.get((owner, attr))
+                if now is not None and now != saved_class:
+                    problems.append((f"{path}.{owner}.{attr}", saved_class, now))
         problems.extend(_check_layer_tensors(path, record, module))
     if problems:
         detail = "; ".join(f"{what}: saved {a}, this engine {b}" for what, a, b in problems[:20])
@@ -72,15 +66,21 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
         for name, t in saved.items():
             tensor = fresh[name][0]
             if t.dtype != dtype_name(tensor.dtype) or t.shape != list(tensor.shape):
-                problems.append((f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}"))
+                problems.append(
+                    (f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}")
+                )
     else:
         unknown = set(saved) - set(fresh)
         if unknown:
-            problems.append((f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})"))
+            problems.append(
+                (f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})")
+            )
     return problems
 
 
-def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True) -> int:
+def restore_tensors(
+    model: torch.nn.Module, manifest: Manifest, reader: TensorFileReader, verify_hashes: bool = True
+) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
     Returns the number of bytes read.
@@ -98,7 +98,9 @@ def restore_tensors(model: torch.nn.Module, manifest: Manifest, reader: TensorFi
             if data is not None:
                 total += data.numel() * data.element_size()
                 if verify_hashes and hash_tensor(data) != t.hash:
-                    raise IntegrityError(f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged")
+                    raise IntegrityError(
+                        f"{reader.path.name}: content hash of {name!r} does not match the manifest; the file is damaged"
+                    )
             _assign(module, t, materialize(t, data, name))
         if record.state == "processed":
             saved = {t.name for t in record.tensors}

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import CAPTURE_LOAD_FORMAT, WORKER_EXTENSION
-from .errors import CheckpointNotFoundError, TensorizerManifestError
+from . import _vllm_compat
+from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, WORKER_EXTENSION
+from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
+from .write import copy_model_files
 
 
 class SaveOptions(BaseModel):
@@ -35,9 +37,19 @@ class SaveOptions(BaseModel):
     trust_remote_code: bool = False
     cpu_gemm: Literal["auto", "fallback"] = Field(
         "auto",
-        description="On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed.",
+        description=(
+            "On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed."
+        ),
     )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> SaveOptions:
+        """Validated options; a mistake is a ``ConfigurationError`` naming the option."""
+        try:
+            return cls(**options)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid save option: {exc}") from None
 
 
 @dataclass
@@ -65,13 +77,9 @@ def resolve_model_dir(src: str, revision: str | None = None) -> Path:
 
 def apply_cpu_gemm(mode: str) -> None:
     """Select vLLM's CPU GEMM path in this process and (through the env) in its workers."""
-    from .vllm_integration import CPU_GEMM_ENV
-
     if mode == "fallback":
         os.environ[CPU_GEMM_ENV] = "fallback"
-        from vllm import _custom_ops
-
-        _custom_ops._supports_onednn = False
+        _vllm_compat.disable_onednn()
 
 
 def engine_kwargs(options: SaveOptions) -> dict[str, Any]:
@@ -97,7 +105,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     ``out`` receives the config and tokenizer files of ``src`` (copied), one
     ``*.tensors`` file and one ``*.manifest.json`` per rank.
     """
-    opts = SaveOptions(**options)
+    opts = SaveOptions.parse(options)
     src_dir = resolve_model_dir(str(src), opts.revision)
     out_dir = Path(out).expanduser().resolve()
     if out_dir == src_dir.resolve():
@@ -117,8 +125,6 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir),))
     finally:
         shutdown(llm)
-    from .write import copy_model_files
-
     copied = copy_model_files(src_dir, out_dir)
     return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
 

@@ -1,17 +1,24 @@
-"""The manifest format, version 1: msgspec types, encoding and strict decoding.
+"""The manifest format, version 1: msgspec types, their constraints, encoding and strict decoding.
 
-This module imports neither torch nor vLLM, so that ``inspect`` answers fast.
+Everything that defines what a manifest *is* lives here: the structs, the rules
+that bind records together (``full_name``, ``digest_records``), which values a
+manifest may carry (``plain_value``), which dtypes and Parameter classes it may
+name. No torch, no vLLM: ``inspect`` answers fast.
 
 Schema evolution rules (after msgspec's): a new field must have a default;
-a field's type never changes; fields are only appended; anything that old
-readers would misread bumps ``FORMAT_VERSION``. A reader refuses a manifest
-whose ``format_version`` is newer than its own, naming both versions.
+a field's type never changes, except to accept more values; fields are only
+appended; anything that old readers would misread bumps ``FORMAT_VERSION``.
+A reader refuses a manifest whose ``format_version`` is newer than its own,
+naming both versions. Constraints (hash pattern, non-negative sizes, known
+dtypes) are msgspec ``Meta`` so that the published JSON Schema carries them.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from collections.abc import Iterable
+from typing import Annotated, Literal, get_args
 
+import blake3
 import msgspec
 
 from .errors import ManifestError, ManifestVersionError
@@ -20,11 +27,69 @@ FORMAT_VERSION = 1
 MANIFEST_SUFFIX = ".manifest.json"
 TENSORS_SUFFIX = ".tensors"
 
+#: Replay values that are not restorer names.
+REPLAY_POST_LOAD = "post_load"
+"""A raw layer: vLLM's own post-load step runs on it, once."""
+REPLAY_NONE = "none"
+"""The post-load step changed nothing on this layer."""
+
+#: Modules whose Parameter classes a manifest may name: the loader never builds anything else.
+ALLOWED_PARAM_MODULES = ("torch.nn.parameter", "vllm.model_executor.parameter")
+
+DType = Literal[
+    "float64", "float32", "float16", "bfloat16",
+    "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8",
+    "bool", "complex64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+]  # fmt: skip
+"""torch dtypes a tensor record may have, named without the ``torch.`` prefix."""
+
+#: Bytes per element of every ``DType``.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1, "complex64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}  # fmt: skip
+assert set(DTYPE_ITEMSIZE) == set(get_args(DType)), "DType and DTYPE_ITEMSIZE must name the same dtypes"
+
+ContentHash = Annotated[str, msgspec.Meta(pattern=r"^blake3:[0-9a-f]{64}$")]
+"""``blake3:`` and 64 lowercase hex digits."""
+Size = Annotated[int, msgspec.Meta(ge=0)]
+
 #: JSON-safe values a manifest may carry for runtime attributes and Parameter attributes.
-PlainValue = Union[None, bool, int, float, str, list[Union[int, float]]]
+PlainScalar = bool | int | float | str
+PlainValue = None | bool | int | float | str | list[PlainScalar]
 
 LayerState = Literal["raw", "processed"]
 TensorKind = Literal["parameter", "buffer"]
+
+
+def plain_value(value: object) -> tuple[bool, PlainValue]:
+    """Whether ``value`` is one a manifest can carry, and its JSON form (tuples become lists).
+
+    The one definition of "plain": capture copies exactly these Parameter
+    attributes and the manifest records exactly these, so nothing copied at
+    save time is dropped on the way to the file.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True, value  # type: ignore[return-value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return True, list(value)
+    return False, None
+
+
+def qualified_class(obj_or_cls: object) -> str:
+    """``module.QualName`` of a class or of an object's class: how the manifest names classes."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def full_name(path: str, name: str) -> str:
+    """A tensor's name in the whole model: ``module.path.name`` (``name`` at the root)."""
+    return f"{path}.{name}" if path else name
 
 
 class _Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -38,18 +103,18 @@ class TensorRecord(_Struct, kw_only=True):
     """Attribute name on the module (``weight``, ``_k_scale``...)."""
     kind: TensorKind
     persistent: bool = True
-    dtype: str
+    dtype: DType
     """torch dtype without the ``torch.`` prefix (``bfloat16``, ``int8``)."""
-    shape: list[int]
-    stride: list[int]
-    storage_offset: int = 0
+    shape: list[Size]
+    stride: list[Size]
+    storage_offset: Size = 0
     requires_grad: bool = False
     param_class: str | None = None
     """Qualified class of a Parameter (vLLM subclasses included); None for buffers."""
     param_attrs: dict[str, PlainValue] = {}
     """Plain attributes vLLM sets on its Parameters (``input_dim``, ``output_dim``...)."""
-    nbytes: int
-    hash: str
+    nbytes: Size
+    hash: ContentHash
     """``blake3:<hex>`` of the tensor's bytes in row-major order."""
     key: str | None = None
     """Name of the tensor in the tensor file; None when nothing is stored (alias or empty)."""
@@ -64,6 +129,11 @@ class KernelRecord(_Struct, kw_only=True):
     """Where it hangs: ``quant_method``, ``scheme`` or ``layer``."""
     attr: str
     kernel_class: str
+
+
+def kernel_map(kernels: Iterable[KernelRecord]) -> dict[tuple[str, str], str]:
+    """``(owner, attr) -> kernel_class``: how kernels of a layer are compared."""
+    return {(k.owner, k.attr): k.kernel_class for k in kernels}
 
 
 class RuntimeAttr(_Struct, kw_only=True):
@@ -120,16 +190,16 @@ class Fingerprint(_Struct, kw_only=True):
 class TensorFileRef(_Struct, kw_only=True):
     path: str
     """File name relative to the checkpoint directory."""
-    size: int
-    tensor_count: int
-    digest: str
-    """``blake3:<hex>`` over every record's name and hash: binds manifest and tensor file."""
-    head_hash: str | None = None
-    """``blake3:<hex>`` of the file's first MiB (tensorizer's header and index)."""
+    size: Size
+    tensor_count: Size
+    digest: ContentHash
+    """``blake3:<hex>`` over every record's name and form (``digest_records``): binds manifest and tensor file."""
+    head_hash: ContentHash | None = None
+    """``blake3:<hex>`` of every byte of the file that is not tensor data (``tensor_file.head_hash``)."""
 
 
 class Manifest(_Struct, kw_only=True):
-    format_version: int
+    format_version: Annotated[int, msgspec.Meta(ge=1)]
     producer: str
     fingerprint: Fingerprint
     tensor_file: TensorFileRef
@@ -137,6 +207,20 @@ class Manifest(_Struct, kw_only=True):
 
     def module_map(self) -> dict[str, ModuleRecord]:
         return {m.path: m for m in self.modules}
+
+    def ordered_records(self) -> list[tuple[str, TensorRecord]]:
+        """Every tensor record with its full name, in manifest order (what the digest covers)."""
+        return [(full_name(m.path, t.name), t) for m in self.modules for t in m.tensors]
+
+
+def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
+    """One hash over every record's full name and form (also of records that store nothing)."""
+    h = blake3.blake3()
+    for name, r in ordered:
+        form = (name, r.kind, r.dtype, r.shape, r.stride, r.storage_offset, r.nbytes, r.key, r.alias_of, r.hash)
+        h.update(repr(form).encode())
+        h.update(b"\n")
+    return "blake3:" + h.hexdigest()
 
 
 _encoder = msgspec.json.Encoder()
@@ -166,12 +250,11 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
                 f"{FORMAT_VERSION} this tensorizer-manifest reads; upgrade tensorizer-manifest"
             )
     try:
-        manifest = _decoder.decode(data)
+        return _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise ManifestError(f"{source}: {exc}") from None
-    if manifest.format_version < 1:
-        raise ManifestError(f"{source}: format_version must be >= 1, got {manifest.format_version}")
-    return manifest
+        raise ManifestError(
+            f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
+        ) from None
 
 
 def json_schema() -> dict:

@@ -22,12 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .errors import CompatibilityError, TensorizerManifestError, UnsupportedModelError
-
-from . import CAPTURE_LOAD_FORMAT, LOAD_FORMAT  # noqa: E402  (names live in __init__)
-
-#: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN).
-CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
+from . import _vllm_compat, replay
+from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
+from .capture import Capture, Recorder
+from .checkpoint import checkpoint_stem, load_manifest
+from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
+from .fingerprint import check_compatible, engine_fingerprint
+from .load import check_model, restore_tensors
+from .schema import MANIFEST_SUFFIX
+from .tensor_file import TensorFileReader
+from .validate import check_files
+from .write import write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
@@ -43,33 +48,20 @@ class LoadOptions(BaseModel):
     verify_hashes: bool = Field(True, description="Check each tensor's content hash as it is read.")
     checkpoint_dir: str | None = Field(None, description="Checkpoint directory, when not the model path.")
 
+    @classmethod
+    def from_load_config(cls, load_config: Any) -> LoadOptions:
+        raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
+        try:
+            return cls(**raw)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid model_loader_extra_config for {LOAD_FORMAT}: {exc}") from None
 
-def _load_options(load_config: Any) -> LoadOptions:
-    raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
-    try:
-        return LoadOptions(**raw)
-    except ValidationError as exc:
-        raise CompatibilityError(f"invalid model_loader_extra_config for {LOAD_FORMAT}: {exc}") from None
 
-
-def _rank_stem(vllm_config: Any) -> str:
-    from vllm.distributed import parallel_state
-
-    from .write import checkpoint_stem
-
+def rank_stem(vllm_config: Any) -> str:
+    """This process's checkpoint stem (``model``, ``model-tp1-of-2``...)."""
     parallel = vllm_config.parallel_config
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    pp_rank = parallel_state.get_pp_group().rank_in_group if parallel_state.model_parallel_is_initialized() else 0
+    tp_rank, pp_rank = _vllm_compat.parallel_ranks()
     return checkpoint_stem(tp_rank, parallel.tensor_parallel_size, pp_rank, parallel.pipeline_parallel_size)
-
-
-def _model_class_name(model_config: Any) -> str:
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
-    from .tensors import qualified_class
-
-    model_class, _ = get_model_architecture(model_config)
-    return qualified_class(model_class)
 
 
 class _Clock:
@@ -92,29 +84,18 @@ class ManifestModelLoader(BaseModelLoader):
         return None
 
     def load_weights(self, model, model_config) -> None:
-        raise UnsupportedModelError(
-            f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported"
-        )
+        raise UnsupportedModelError(f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported")
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from .fingerprint import check_compatible, engine_fingerprint
-        from .checkpoint import find_manifest, read_manifest
-        from .load import check_model, restore_tensors
-        from .validate import check_files
-        from .replay import replay_model
-        from .tensors import TensorFileReader
-
         clock = _Clock()
-        options = _load_options(self.load_config)
+        options = LoadOptions.from_load_config(self.load_config)
         checkpoint = Path(options.checkpoint_dir or model_config.model)
-        manifest_path = find_manifest(checkpoint, _rank_stem(vllm_config))
-        manifest = read_manifest(manifest_path)
+        manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config))
         tensor_path = check_files(manifest, manifest_path)
-        current = engine_fingerprint(vllm_config, _model_class_name(model_config))
-        check_compatible(manifest.fingerprint, current, manifest, str(manifest_path))
+        check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
         clock.lap("check_files")
 
         device_config = vllm_config.device_config
@@ -126,20 +107,25 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("build_model")
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
-            reader = TensorFileReader(tensor_path, device=str(target_device))
-            try:
+            with TensorFileReader(tensor_path, device=str(target_device)) as reader:
                 nbytes = restore_tensors(model, manifest, reader, verify_hashes=options.verify_hashes)
-            finally:
-                reader.close()
             clock.lap("read_tensors")
-            report = replay_model(model, manifest, model_config, target_device)
+            report = replay.replay_model(model, manifest, model_config, target_device)
             clock.lap("replay")
-        setattr(model, _REPORT_ATTR, {**report.to_dict(), "bytes_read": nbytes, "verify_hashes": options.verify_hashes, "seconds": clock.laps})
+        setattr(
+            model,
+            _REPORT_ATTR,
+            {**report.to_dict(), "bytes_read": nbytes, "verify_hashes": options.verify_hashes, "seconds": clock.laps},
+        )
         logger.info(
             "tensorizer_manifest: loaded %s (%d raw layer steps run once, %d processed layers restored) in %.2fs",
-            manifest_path, len(report.post_load), len(report.restored), sum(clock.laps.values()),
+            manifest_path,
+            len(report.post_load),
+            len(report.restored),
+            sum(clock.laps.values()),
         )
         return model.eval()
+
 
 class CaptureModelLoader(DefaultModelLoader):
     """vLLM's default loader, with the post-load step observed so the engine can save itself."""
@@ -151,51 +137,45 @@ class CaptureModelLoader(DefaultModelLoader):
         super().__init__(replace(load_config, load_format="auto"))
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
-        from vllm.model_executor.model_loader import base_loader
+        fingerprint = engine_fingerprint(vllm_config)
+        captured: list[Capture] = []
 
-        from .capture import Recorder
-        from .fingerprint import engine_fingerprint
-
-        original = getattr(base_loader, "process_weights_after_loading", None)
-        if original is None:
-            raise UnsupportedModelError("this vLLM's BaseModelLoader has no process_weights_after_loading step to observe")
-        holder: dict[str, Any] = {}
-        fingerprint = engine_fingerprint(vllm_config, _model_class_name(model_config))
-
-        def observed(model, model_config_, target_device):
+        def observe(model: torch.nn.Module, run_step) -> None:
             recorder = Recorder(model)
-            original(model, model_config_, target_device)
-            holder["capture"] = recorder.finish(fingerprint)
+            run_step()
+            captured.append(recorder.finish(fingerprint))
 
-        base_loader.process_weights_after_loading = observed
-        try:
+        with _vllm_compat.observe_post_load(observe):
             model = super().load_model(vllm_config, model_config, prefix)
-        finally:
-            base_loader.process_weights_after_loading = original
-        holder["capture"].stem = _rank_stem(vllm_config)
-        setattr(model, _CAPTURE_ATTR, holder["capture"])
+        if not captured:
+            raise UnsupportedModelError(
+                f"vLLM {_vllm_compat.vllm_version()}'s default loader did not run its post-load step where "
+                "tensorizer-manifest observes it; this vLLM cannot save with a manifest"
+            )
+        capture = captured[-1]
+        capture.stem = rank_stem(vllm_config)
+        setattr(model, _CAPTURE_ATTR, capture)
         return model
+
+
+def apply_cpu_gemm_from_env() -> None:
+    """``TENSORIZER_MANIFEST_CPU_GEMM=fallback``: vLLM's torch CPU GEMM in this process (workers too)."""
+    if os.environ.get(CPU_GEMM_ENV, "").lower() == "fallback":
+        _vllm_compat.disable_onednn()
 
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: register both load formats in this process."""
-    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
-
-    if os.environ.get(CPU_GEMM_ENV, "").lower() == "fallback":
-        from vllm import _custom_ops
-
-        _custom_ops._supports_onednn = False
-    if LOAD_FORMAT in _LOAD_FORMAT_TO_MODEL_LOADER:
-        return
-    register_model_loader(LOAD_FORMAT)(ManifestModelLoader)
-    register_model_loader(CAPTURE_LOAD_FORMAT)(CaptureModelLoader)
+    apply_cpu_gemm_from_env()
+    _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
+    _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
 
 
 class ManifestWorkerExtension:
     """Worker methods, reached with ``llm.collective_rpc(name, args=...)``."""
 
     def _tm_model(self) -> torch.nn.Module:
-        runner = getattr(self, "model_runner")
+        runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def save_tensorizer_manifest(self, output_dir: str, keep_capture: bool = False) -> dict:
@@ -205,8 +185,6 @@ class ManifestWorkerExtension:
         is released after the save (so an engine that goes on serving gets that
         memory back) unless ``keep_capture`` asks to save again later.
         """
-        from .write import write_checkpoint
-
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
         if capture is None:
@@ -217,13 +195,12 @@ class ManifestWorkerExtension:
         manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
         if not keep_capture:
             delattr(model, _CAPTURE_ATTR)
-        raw = sum(1 for m in manifest.modules if m.state == "raw")
         return {
-            "manifest": str(Path(output_dir) / (capture.stem + ".manifest.json")),
+            "manifest": str(Path(output_dir) / (capture.stem + MANIFEST_SUFFIX)),
             "tensor_file": manifest.tensor_file.path,
             "bytes": manifest.tensor_file.size,
             "layers": len(manifest.modules),
-            "raw_layers": raw,
+            "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
         }
 
     def tensorizer_manifest_report(self) -> dict | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from ._constants import PRODUCER
 from .capture import Capture
 from .schema import (
     FORMAT_VERSION,
@@ -22,24 +22,17 @@ from .schema import (
     ModuleRecord,
     TensorFileRef,
     TensorRecord,
+    digest_records,
     encode_manifest,
+    full_name,
+    qualified_class,
 )
-from .tensors import make_record, qualified_class, write_tensor_file
-from .validate import digest_records, head_hash
+from .tensor_file import head_hash, write_tensor_file
+from .tensors import make_record
 
 #: Files of a model directory that are weights, not configuration: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".msgpack", ".h5", ".ckpt")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def checkpoint_stem(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """``model`` for one rank, ``model-tp{r}-of-{n}`` (and ``-pp``) when sharded."""
-    stem = "model"
-    if tp_size > 1:
-        stem += f"-tp{tp_rank}-of-{tp_size}"
-    if pp_size > 1:
-        stem += f"-pp{pp_rank}-of-{pp_size}"
-    return stem
 
 
 def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
@@ -51,17 +44,17 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     for layer in capture.layers:
         records: list[TensorRecord] = []
         for name, slot in layer.tensors.items():
-            full_name = f"{layer.path}.{name}" if layer.path else name
+            tensor_name = full_name(layer.path, name)
             alias_of = seen.get(id(slot.tensor))
             record = make_record(
-                name, slot.tensor, kind=slot.kind, persistent=slot.persistent, key=full_name, alias_of=alias_of
+                name, slot.tensor, kind=slot.kind, persistent=slot.persistent, key=tensor_name, alias_of=alias_of
             )
             if alias_of is None:
-                seen[id(slot.tensor)] = full_name
+                seen[id(slot.tensor)] = tensor_name
                 if record.key is not None:
                     to_store.append((record.key, slot.tensor))
             records.append(record)
-            ordered.append((full_name, record))
+            ordered.append((tensor_name, record))
         quant_method = getattr(layer.module, "quant_method", None)
         modules.append(
             ModuleRecord(
@@ -77,7 +70,7 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
         )
     manifest = Manifest(
         format_version=FORMAT_VERSION,
-        producer=f"tensorizer-manifest {__version__}",
+        producer=PRODUCER,
         fingerprint=capture.fingerprint,
         tensor_file=TensorFileRef(
             path=tensor_file_name, size=0, tensor_count=len(to_store), digest=digest_records(ordered)

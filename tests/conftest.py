@@ -28,7 +28,11 @@ def run_script(script: str, *args: str, marker: str, timeout: int = 900) -> dict
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     proc = subprocess.run(
         [sys.executable, str(TESTS / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(marker + " "):
@@ -49,13 +53,15 @@ class Scenarios:
     def e2e(self, kind: str, *flags: str) -> dict:
         key = ("e2e", kind, flags)
         if key not in self._cache:
-            self._cache[key] = run_script("e2e_scenario.py", kind, str(self.workdir), *flags, marker="E2E_RESULT")
+            self._cache[key] = run_script("scenarios/e2e.py", kind, str(self.workdir), *flags, marker="E2E_RESULT")
         return self._cache[key]
 
     def baseline(self, kind: str, mode: str) -> dict:
         key = ("baseline", kind, mode)
         if key not in self._cache:
-            self._cache[key] = run_script("baseline_scenario.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT")
+            self._cache[key] = run_script(
+                "scenarios/baseline.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT"
+            )
         return self._cache[key]
 
 
@@ -64,5 +70,5 @@ def scenarios(e2e_dir) -> Scenarios:
     return Scenarios(e2e_dir)
 
 
-# tests/ on sys.path, so helpers (synthetic checkpoints, the bad-input catalog) import plainly.
+# tests/ on sys.path, so `helpers` (synthetic checkpoints, the bad-input catalog) imports plainly.
 sys.path.insert(0, str(TESTS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,13 @@ def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
     assert doc["summary"]["raw_layers"] == raw == 8
     assert doc["summary"]["tensor_file_bytes"] == (checkpoint / manifest["tensor_file"]["path"]).stat().st_size
     qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
-    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and "azp_adj" in qkv["runtime_state"]
+    # What the int8 kernel's step creates differs by CPU (azp_adj without oneDNN's VNNI path, a kernel object
+    # with it): the table shows whatever the capture saw.
+    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and qkv["runtime_state"]
+    saved = next(m for m in manifest["modules"] if m["path"] == qkv["path"])
+    assert [a["name"] if a["owner"] == "layer" else f"{a['owner']}.{a['name']}" for a in saved["runtime_state"]] == qkv[
+        "runtime_state"
+    ]
 
 
 @pytest.mark.e2e
@@ -73,8 +80,12 @@ def test_inspect_damaged_manifest(tmp_path):
 
 
 def test_save_of_a_missing_model_is_one_clear_line(tmp_path):
-    proc = subprocess.run([*CLI, "save", str(tmp_path / "no-model"), str(tmp_path / "out")], capture_output=True, text=True,
-                          env={"PATH": "", "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [*CLI, "save", str(tmp_path / "no-model"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 1
     assert "not a local directory and not in the Hugging Face cache" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -85,8 +96,11 @@ def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path
 
     src = build_tiny_model(e2e_dir / "tiny-llama", "llama")
     out = tmp_path / "saved"
-    proc = subprocess.run([*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "tokenizer.json", "model.manifest.json"} <= names
@@ -94,3 +108,28 @@ def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path
     assert sum(n.endswith(".tensors") for n in names) == 1
     valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
     assert valid.returncode == 0, valid.stderr
+
+
+def test_save_with_a_bad_option_is_a_usage_error(tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    proc = subprocess.run([*CLI, "save", str(src), str(tmp_path / "out"), "-tp", "0"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_demo_tells_its_story_without_vllm_info_logs(e2e_dir):
+    """README's main job: the tiny model round trip, token for token, and vLLM's INFO lines kept out of it."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    proc = subprocess.run(
+        [*CLI, "demo", "--kind", "llama", "--work-dir", str(e2e_dir), "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "token-for-token identical to vLLM's default loader" in proc.stdout
+    assert "INFO" not in out and "Initializing a V1 LLM engine" not in out, out[-4000:]

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from synthetic import write_synthetic_checkpoint
+from helpers.synthetic import write_synthetic_checkpoint
+
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.diff import diff_manifests
 from tensorizer_manifest.validate import validate_checkpoint
@@ -50,13 +51,21 @@ def test_diff_reports_fingerprint_layers_state_and_tensors(tmp_path):
     assert ("model.layers.0.mlp.down_proj", "state") in changed
     assert ("model.norm", "tensor weight shape") in changed
 
-    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b), "--json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b), "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
     assert doc["same"] is False and doc["layers_removed"] == [removed]
-    human = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b)], capture_output=True, text=True)
+    human = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(b)], capture_output=True, text=True
+    )
     assert "fingerprint.dtype: 'bfloat16' -> 'float16'" in human.stdout and f"- {removed}" in human.stdout
-    same = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(a)], capture_output=True, text=True)
+    same = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "diff", str(a), str(a)], capture_output=True, text=True
+    )
     assert same.returncode == 0
 
 

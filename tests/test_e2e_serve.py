@@ -44,10 +44,30 @@ def test_openai_server_serves_the_checkpoint_token_exact(scenarios, tmp_path):
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
-        [*_server_command(), checkpoint, "--load-format", "tensorizer_manifest", "--dtype", "bfloat16",
-         "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "1",
-         "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+        [
+            *_server_command(),
+            checkpoint,
+            "--load-format",
+            "tensorizer_manifest",
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "1",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--seed",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
     )
     try:
         deadline = time.monotonic() + 300
@@ -59,10 +79,18 @@ def test_openai_server_serves_the_checkpoint_token_exact(scenarios, tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(1)
-        body = json.dumps({"model": checkpoint, "prompt": DEMO_PROMPTS[0], "max_tokens": 16,
-                           "temperature": 0, "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
+        body = json.dumps(
+            {
+                "model": checkpoint,
+                "prompt": DEMO_PROMPTS[0],
+                "max_tokens": 16,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
         reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert reply["choices"][0]["token_ids"] == result["reference_tokens"][0]
     finally:

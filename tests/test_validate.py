@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers.bad_inputs import BAD_INPUTS
+from helpers.synthetic import FINGERPRINT, write_synthetic_checkpoint
 
-from bad_inputs import BAD_INPUTS
-from synthetic import FINGERPRINT, write_synthetic_checkpoint
 from tensorizer_manifest import errors
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.validate import check_engine_settings, check_files, validate_checkpoint
@@ -69,40 +69,59 @@ def test_validate_with_engine_settings_refuses(pristine, tmp_path, case):
     d = _damaged(pristine, tmp_path, case)
     assert validate_checkpoint(d).ok  # nothing is wrong with the files themselves
     problems = check_engine_settings(
-        next(d.glob("*.manifest.json")), dtype=FINGERPRINT.dtype, quantization="none",
+        next(d.glob("*.manifest.json")),
+        dtype=FINGERPRINT.dtype,
+        quantization="none",
         tensor_parallel_size=FINGERPRINT.tensor_parallel_size,
     )
     assert [p.kind.__name__ for p in problems] == [case.error]
     assert re.search(case.gist, str(problems[0]))
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c.name in ("tensor-data-flipped", "manifest-not-json", "path-absolute")], ids=str)
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_INPUTS if c.name in ("tensor-data-flipped", "manifest-not-json", "path-absolute")], ids=str
+)
 def test_validate_cli_one_line_per_problem_and_exit_1(pristine, tmp_path, case):
     d = _damaged(pristine, tmp_path, case)
-    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True, env={"COLUMNS": "300", "PATH": ""})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "300", "PATH": ""},
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and case.error in proc.stderr
-    as_json = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--json"], capture_output=True, text=True)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--json"], capture_output=True, text=True
+    )
     assert as_json.returncode == 1
     doc = json.loads(as_json.stdout)
     assert doc["ok"] is False and any(p["error"] == case.error for p in doc["problems"])
 
 
 def test_validate_cli_exit_codes(pristine, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(pristine)], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(pristine)], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
-    usage = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", "--no-such-flag", str(pristine)], capture_output=True, text=True)
+    usage = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", "--no-such-flag", str(pristine)],
+        capture_output=True,
+        text=True,
+    )
     assert usage.returncode == 2
 
 
 @pytest.mark.e2e
 def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_path):
     """The real loader, inside a real engine, on a checkpoint saved by real vLLM (W8A8: raw and processed layers)."""
-    from bad_inputs import MODEL_BAD_INPUTS
     from conftest import run_script
+    from helpers.bad_inputs import MODEL_BAD_INPUTS
 
     checkpoint = scenarios.e2e("w8a8-int8")["checkpoint"]
-    results = run_script("bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800)
+    results = run_script(
+        "scenarios/bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800
+    )
     cases = BAD_INPUTS + MODEL_BAD_INPUTS
     assert set(results) == {c.name for c in cases}
     for case in cases:
@@ -114,15 +133,21 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
 
 @pytest.mark.e2e
 def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
-    from bad_inputs import MODEL_BAD_INPUTS
+    from helpers.bad_inputs import MODEL_BAD_INPUTS
 
     case = next(c for c in MODEL_BAD_INPUTS if c.name == "renamed-kernel")
     d = tmp_path / "ckpt"
     shutil.copytree(scenarios.e2e("llama")["checkpoint"], d)
     case.mutate(d)
-    offline = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True)
+    offline = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True
+    )
     assert offline.returncode == 0, offline.stderr  # the files are fine
-    proc = subprocess.run([sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--engine", "--json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--engine", "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert [p["error"] for p in doc["problems"]] == ["CompatibilityError"]

@@ -16,10 +16,19 @@ from tensorizer_manifest.schema import Fingerprint, KernelRecord, RuntimeAttr
 from tensorizer_manifest.write import write_checkpoint
 
 FINGERPRINT = Fingerprint(
-    vllm_version="0.32.0", torch_version="2.13.0+cpu", tensorizer_version="2.10.1",
-    architectures=["LlamaForCausalLM"], model_class="vllm.model_executor.models.llama.LlamaForCausalLM",
-    dtype="bfloat16", quantization=None, quant_config_hash=None, kv_cache_dtype="auto",
-    tensor_parallel_size=1, tensor_parallel_rank=0, pipeline_parallel_size=1, pipeline_parallel_rank=0,
+    vllm_version="0.32.0",
+    torch_version="2.13.0+cpu",
+    tensorizer_version="2.10.1",
+    architectures=["LlamaForCausalLM"],
+    model_class="vllm.model_executor.models.llama.LlamaForCausalLM",
+    dtype="bfloat16",
+    quantization=None,
+    quant_config_hash=None,
+    kv_cache_dtype="auto",
+    tensor_parallel_size=1,
+    tensor_parallel_rank=0,
+    pipeline_parallel_size=1,
+    pipeline_parallel_rank=0,
     device_type="cpu",
 )
 
@@ -40,7 +49,9 @@ def make_capture(seed: int = 0, scale: int = 1) -> Capture:
     embed.weight.input_dim = 1
     embed.weight.output_dim = 0
     linear = torch.nn.Module()
-    linear.weight = torch.nn.Parameter(torch.randint(-127, 127, (48 * scale, 32), dtype=torch.int8), requires_grad=False)
+    linear.weight = torch.nn.Parameter(
+        torch.randint(-127, 127, (48 * scale, 32), dtype=torch.int8), requires_grad=False
+    )
     linear.weight_scale = torch.nn.Parameter(torch.rand(48 * scale, 1), requires_grad=False)
     linear.register_buffer("empty", torch.empty(0, dtype=torch.bfloat16))
     norm = torch.nn.Module()
@@ -50,10 +61,30 @@ def make_capture(seed: int = 0, scale: int = 1) -> Capture:
     head.weight = embed.weight  # tied
     kernel = [KernelRecord(owner="layer", attr="cpu_linear", kernel_class="torch.nn.functional.linear")]
     layers = [
-        CapturedLayer("model.embed_tokens", embed, "processed", "cpu_unquantized_gemm", _slots(embed), kernel,
-                      [RuntimeAttr(owner="layer", name="cpu_linear", type="builtins.function", rebuilt_by="cpu_unquantized_gemm")], ""),
-        CapturedLayer("model.layers.0.mlp.down_proj", linear, "raw", "post_load", _slots(linear), [],
-                      [RuntimeAttr(owner="layer", name="azp_adj", type="torch.nn.parameter.Parameter", rebuilt_by="post_load")], ""),
+        CapturedLayer(
+            "model.embed_tokens",
+            embed,
+            "processed",
+            "cpu_unquantized_gemm",
+            _slots(embed),
+            kernel,
+            [
+                RuntimeAttr(
+                    owner="layer", name="cpu_linear", type="builtins.function", rebuilt_by="cpu_unquantized_gemm"
+                )
+            ],
+            "",
+        ),
+        CapturedLayer(
+            "model.layers.0.mlp.down_proj",
+            linear,
+            "raw",
+            "post_load",
+            _slots(linear),
+            [],
+            [RuntimeAttr(owner="layer", name="azp_adj", type="torch.nn.parameter.Parameter", rebuilt_by="post_load")],
+            "",
+        ),
         CapturedLayer("model.norm", norm, "processed", "none", _slots(norm), [], [], ""),
         CapturedLayer("lm_head", head, "processed", "cpu_unquantized_gemm", _slots(head), kernel, [], ""),
     ]

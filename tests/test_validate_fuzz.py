@@ -1,6 +1,6 @@
 """Property-based fuzzing of manifests and tensor files: only typed errors ever come out.
 
-A valid synthetic checkpoint (``synthetic.py``) is written once per process; every
+A valid synthetic checkpoint (``helpers/synthetic.py``) is written once per process; every
 example mutates a fresh copy of it in a temporary directory and then runs the
 three entry points that read untrusted files:
 
@@ -62,19 +62,19 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # pytest puts tests/ on sys.path; scripts/fuzz_long.py may not
     sys.path.insert(0, str(TESTS))
 
-from synthetic import write_synthetic_checkpoint  # noqa: E402
+from helpers.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 from tensorizer_manifest.checkpoint import load_manifest  # noqa: E402
 from tensorizer_manifest.errors import ManifestError, TensorizerManifestError  # noqa: E402
-from tensorizer_manifest.schema import MANIFEST_SUFFIX, Manifest, decode_manifest  # noqa: E402
-from tensorizer_manifest.tensors import TensorFileReader, tensor_bytes  # noqa: E402
-from tensorizer_manifest.validate import (  # noqa: E402
-    ValidationReport,
-    check_files,
-    full_name,
-    head_hash,
-    validate_checkpoint,
+from tensorizer_manifest.schema import (  # noqa: E402
+    MANIFEST_SUFFIX,
+    Manifest,
+    decode_manifest,
+    full_name,  # noqa: E402
 )
+from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index  # noqa: E402
+from tensorizer_manifest.tensors import tensor_bytes  # noqa: E402
+from tensorizer_manifest.validate import ValidationReport, check_files, validate_checkpoint  # noqa: E402
 
 #: Outcome counts, printed by scripts/fuzz_long.py.
 STATS: Counter[str] = Counter()
@@ -110,20 +110,14 @@ class Pristine:
 
 def tensorizer_index(tensor_path: Path) -> tuple[tuple[str, int, int, int], ...]:
     """tensorizer's index, as validate reads it: (key, tensor header offset, data offset, data end), in file order."""
-    from tensorizer import TensorDeserializer
-
-    deserializer = TensorDeserializer(str(tensor_path), device="cpu", lazy_load=True, verify_hash=False)
-    try:
-        return tuple(sorted(
-            ((key if isinstance(key, str) else ".".join(e.name), int(e.offset), int(e.data_offset), int(e.data_offset) + int(e.data_length))
-             for key, e in deserializer._metadata.items()),
-            key=lambda entry: entry[1],
-        ))
-    finally:
-        deserializer.close()
+    entries = (
+        (key, e.header_offset, e.data_offset, e.data_offset + e.data_length)
+        for key, e in read_index(tensor_path).items()
+    )
+    return tuple(sorted(entries, key=lambda entry: entry[1]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pristine() -> Pristine:
     root = Path(tempfile.mkdtemp(prefix="tm-fuzz-pristine-"))
     atexit.register(shutil.rmtree, root, True)
@@ -167,7 +161,17 @@ def bound_view(manifest: Manifest) -> tuple:
     records = []
     for module in manifest.modules:
         for t in module.tensors:
-            form = (t.kind, t.dtype, tuple(t.shape), tuple(t.stride), t.storage_offset, t.nbytes, t.key, t.alias_of, t.hash)
+            form = (
+                t.kind,
+                t.dtype,
+                tuple(t.shape),
+                tuple(t.stride),
+                t.storage_offset,
+                t.nbytes,
+                t.key,
+                t.alias_of,
+                t.hash,
+            )
             records.append((full_name(module.path, t.name), form))
     tf = manifest.tensor_file
     return (manifest.format_version, tf.path, tf.size, tf.tensor_count, tf.digest, tuple(records))
@@ -309,18 +313,102 @@ def assert_ok_means_pristine(report: ValidationReport, manifest: bytes) -> None:
 # (a) structural manifest mutations
 # ---------------------------------------------------------------------------------------------
 
-HUGE_INTS = [-1, -2, 0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**70, -(2**63), -(2**70), 10**30]
+HUGE_INTS = [
+    -1,
+    -2,
+    0,
+    1,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    2**70,
+    -(2**63),
+    -(2**70),
+    10**30,
+]
 PATHLIKE = [
-    "", " ", ".", "..", "../x", "../../etc/passwd", "/etc/passwd", "/", "~", "~/x", "a/b", "a\\b", "\x00", "x\x00y",
-    "model.manifest.json", "config.json", "nul", "\n", "é", "\U0001f600", "\ud800", "blake3:", "blake3:" + "0" * 64,
-    "torch.bfloat16", "a" * 300, "%s%n", "${HOME}",
+    "",
+    " ",
+    ".",
+    "..",
+    "../x",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "/",
+    "~",
+    "~/x",
+    "a/b",
+    "a\\b",
+    "\x00",
+    "x\x00y",
+    "model.manifest.json",
+    "config.json",
+    "nul",
+    "\n",
+    "é",
+    "\U0001f600",
+    "\ud800",
+    "blake3:",
+    "blake3:" + "0" * 64,
+    "torch.bfloat16",
+    "a" * 300,
+    "%s%n",
+    "${HOME}",
 ]
 DTYPES = [
-    "float64", "int64", "uint64", "complex64", "float32", "int32", "uint32", "float16", "bfloat16", "int16", "uint16",
-    "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "torch.bfloat16", "float", "half", "BFloat16", "complex128", "float8", "int4", "", "qint8", "bfloat16\x00",
+    "float64",
+    "int64",
+    "uint64",
+    "complex64",
+    "float32",
+    "int32",
+    "uint32",
+    "float16",
+    "bfloat16",
+    "int16",
+    "uint16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "torch.bfloat16",
+    "float",
+    "half",
+    "BFloat16",
+    "complex128",
+    "float8",
+    "int4",
+    "",
+    "qint8",
+    "bfloat16\x00",
 ]
-ODD_VALUES = [None, True, False, 0, -1, 1.5, -0.0, 1e308, float("nan"), float("inf"), "", "x", [], {}, [1, 2], [[1]], {"a": 1}, [None]]
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    -0.0,
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    [],
+    {},
+    [1, 2],
+    [[1]],
+    {"a": 1},
+    [None],
+]
 
 any_value = st.one_of(
     st.sampled_from(ODD_VALUES),
@@ -353,7 +441,9 @@ def _tweak(draw, value):
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
-        return draw(st.one_of(st.sampled_from(HUGE_INTS), st.integers(-3, 3).map(lambda d: value + d), st.just(-value - 1)))
+        return draw(
+            st.one_of(st.sampled_from(HUGE_INTS), st.integers(-3, 3).map(lambda d: value + d), st.just(-value - 1))
+        )
     if isinstance(value, str):
         how = draw(st.sampled_from(["prefix", "append", "char", "pathlike"]))
         if how == "prefix":
@@ -397,14 +487,16 @@ def _shape_like(draw, value):
     numel = 1
     for d in value:
         numel *= d
-    return draw(st.one_of(
-        st.permutations(value).map(list),
-        st.just(value + [1]),
-        st.just([1] + value),
-        st.just([numel]),
-        st.just([-d for d in value]),
-        st.lists(st.one_of(st.integers(-2, 128), st.sampled_from(HUGE_INTS)), max_size=4),
-    ))
+    return draw(
+        st.one_of(
+            st.permutations(value).map(list),
+            st.just(value + [1]),
+            st.just([1] + value),
+            st.just([numel]),
+            st.just([-d for d in value]),
+            st.lists(st.one_of(st.integers(-2, 128), st.sampled_from(HUGE_INTS)), max_size=4),
+        )
+    )
 
 
 def mutate_once(draw, doc: dict) -> str:
@@ -505,11 +597,15 @@ def protected_edits(draw) -> ManifestCase:
         parent = doc["modules"][i]["tensors"][j]
     old = parent[field]
     if field == "size":
-        values = st.one_of(st.integers(-3, 3).map(lambda d: old + d), st.sampled_from(HUGE_INTS), st.integers(0, 2 * old), any_value)
+        values = st.one_of(
+            st.integers(-3, 3).map(lambda d: old + d), st.sampled_from(HUGE_INTS), st.integers(0, 2 * old), any_value
+        )
     elif field == "hash":
         hashes = sorted({t["hash"] for m in doc["modules"] for t in m["tensors"]})
         values = st.one_of(
-            st.integers(7, len(old) - 1).flatmap(lambda k: st.sampled_from("0123456789abcdef").map(lambda c: old[:k] + c + old[k + 1 :])),
+            st.integers(7, len(old) - 1).flatmap(
+                lambda k: st.sampled_from("0123456789abcdef").map(lambda c: old[:k] + c + old[k + 1 :])
+            ),
             st.sampled_from(hashes),
             st.binary(min_size=32, max_size=32).map(lambda b: "blake3:" + b.hex()),
             st.just(old.upper()),
@@ -544,8 +640,32 @@ def test_protected_field_mutation_is_always_reported(case):
 # (b) byte-level mutations
 # ---------------------------------------------------------------------------------------------
 
-GARBAGE = [b"\0", b"\xff", b'"', b"{", b"}", b"[", b"]", b",", b":", b"\\", b"\\u0000", b"\\ud800", b"-", b"9" * 30,
-           b"1e999", b"NaN", b"null", b"true", b"\xc3", b"\xed\xa0\x80", b"\r\n", b"[" * 64, b"[" * 1200, b"|TZR|"]
+GARBAGE = [
+    b"\0",
+    b"\xff",
+    b'"',
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"\\",
+    b"\\u0000",
+    b"\\ud800",
+    b"-",
+    b"9" * 30,
+    b"1e999",
+    b"NaN",
+    b"null",
+    b"true",
+    b"\xc3",
+    b"\xed\xa0\x80",
+    b"\r\n",
+    b"[" * 64,
+    b"[" * 1200,
+    b"|TZR|",
+]
 garbage = st.one_of(st.sampled_from(GARBAGE), st.binary(min_size=1, max_size=32))
 
 
@@ -650,7 +770,9 @@ def check_tensor_bytes(case: BytesCase) -> None:
     p = pristine()
     changed = case.data != p.tensors
     same_size = len(case.data) == len(p.tensors)
-    diffs = np.flatnonzero(np.frombuffer(case.data, np.uint8) != np.frombuffer(p.tensors, np.uint8)) if same_size else None
+    diffs = (
+        np.flatnonzero(np.frombuffer(case.data, np.uint8) != np.frombuffer(p.tensors, np.uint8)) if same_size else None
+    )
     with tempfile.TemporaryDirectory(prefix="tm-fuzz-") as tmp:
         directory = write_case(Path(tmp), tensors=case.data)
         tensor_path = directory / p.tensor_name
@@ -749,12 +871,15 @@ def _set_record(i: int, j: int, field: str, value):
 
 # pristine().doc["modules"]: 0 embed_tokens.weight (stored), 1 down_proj [weight, weight_scale, empty (0 elements)],
 # 2 norm [weight, cache], 3 lm_head [weight: alias of model.embed_tokens.weight]
-@pytest.mark.parametrize("edit", [
-    pytest.param(_set_record(3, 0, "shape", [32, 64]), id="alias-shape"),
-    pytest.param(_set_record(3, 0, "dtype", "float16"), id="alias-dtype"),
-    pytest.param(_set_record(3, 0, "alias_of", "model.norm.weight"), id="alias-target"),
-    pytest.param(_set_record(1, 2, "dtype", "int8"), id="empty-dtype"),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(_set_record(3, 0, "shape", [32, 64]), id="alias-shape"),
+        pytest.param(_set_record(3, 0, "dtype", "float16"), id="alias-dtype"),
+        pytest.param(_set_record(3, 0, "alias_of", "model.norm.weight"), id="alias-target"),
+        pytest.param(_set_record(1, 2, "dtype", "int8"), id="empty-dtype"),
+    ],
+)
 def test_unstored_record_edit_is_reported(edit):
     """Found by this fuzzer (fixed since): the digest covered only names and hashes, so the dtype, shape
     and alias target of records that store nothing (an alias, an empty tensor) were checked by nobody, and
@@ -785,10 +910,13 @@ def _flip_after_last_tensor(mask: int) -> bytes:
     return bytes(buf)
 
 
-@pytest.mark.parametrize("damage", [
-    pytest.param(lambda: _flip_tensor_header(8, 0x02), id="tensor-header-module-index"),
-    pytest.param(lambda: _flip_after_last_tensor(0x01), id="byte-after-last-tensor"),
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda: _flip_tensor_header(8, 0x02), id="tensor-header-module-index"),
+        pytest.param(lambda: _flip_after_last_tensor(0x01), id="byte-after-last-tensor"),
+    ],
+)
 def test_damage_outside_tensor_data_is_reported(damage):
     """Found by this fuzzer (fixed since): while the head hash stopped at the first tensor's own header,
     bytes that tensorizer ignores on a lazy, unverified read (a per-tensor header's module index, tensor
@@ -800,10 +928,13 @@ def test_damage_outside_tensor_data_is_reported(damage):
     assert error is not None, "check_files passed a damaged tensor file"
 
 
-@pytest.mark.parametrize("offset, mask", [
-    pytest.param(0, 0x01, id="header-size-low-byte"),  # tensorizer's read raises a bare AssertionError
-    pytest.param(4, 0x01, id="header-size-4GiB"),  # tensorizer's read allocates 4 GiB (17 s, 4.3 GB RSS)
-])
+@pytest.mark.parametrize(
+    "offset, mask",
+    [
+        pytest.param(0, 0x01, id="header-size-low-byte"),  # tensorizer's read raises a bare AssertionError
+        pytest.param(4, 0x01, id="header-size-4GiB"),  # tensorizer's read allocates 4 GiB (17 s, 4.3 GB RSS)
+    ],
+)
 def test_check_files_catches_tensor_header_damage(offset, mask):
     """Found by this fuzzer (fixed since): check_files, the loader's check before weights are read, passed
     a file whose first tensor's own header was damaged; the load then failed inside tensorizer with an

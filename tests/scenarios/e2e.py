@@ -1,6 +1,6 @@
 """One end-to-end scenario on real vLLM, run in its own process; prints a JSON result on the last line.
 
-Usage: python tests/e2e_scenario.py KIND WORKDIR [--fallback] [--multiprocessing]
+Usage: python tests/scenarios/e2e.py KIND WORKDIR [--fallback] [--multiprocessing]
 
 Steps: reference tokens with vLLM's default loader on the safetensors model,
 save with a manifest, load back with load_format="tensorizer_manifest" while
@@ -72,6 +72,7 @@ def main() -> None:
         from tensorizer_manifest import replay as replay_module
 
         patched = []
+
         # Count the real post-load entry points of every quant method class in vLLM, and attention.
         def patch(cls, label):
             fn = cls.__dict__.get("process_weights_after_loading")
@@ -82,7 +83,7 @@ def main() -> None:
                 counts[(label, getattr(layer, "_tm_path", "?"))] += 1
                 return __fn(self, layer, *a, **k)
 
-            setattr(cls, "process_weights_after_loading", counting)
+            cls.process_weights_after_loading = counting
             patched.append((cls, fn))
 
         def all_subclasses(cls):
@@ -91,6 +92,7 @@ def main() -> None:
                 yield from all_subclasses(sub)
 
         import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
+
         for cls in set(all_subclasses(QuantizeMethodBase)):
             patch(cls, "quant_method")
         attn_fn = Attention.process_weights_after_loading
@@ -119,7 +121,9 @@ def main() -> None:
     from tensorizer_manifest.checkpoint import load_manifest
 
     manifest, _ = load_manifest(out_dir)
-    result["layers"] = {m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method} for m in manifest.modules}
+    result["layers"] = {
+        m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method} for m in manifest.modules
+    }
     if args.multiprocessing:
         result["post_load_counts"] = None
         result["processed_tensor_mismatches"] = None
@@ -138,8 +142,14 @@ def main() -> None:
                 if ref is None or got is None:
                     mismatches.append(f"{name}: missing ({ref is None}, {got is None})")
                 elif ref.dtype != got.dtype or ref.shape != got.shape or ref.stride() != got.stride():
-                    mismatches.append(f"{name}: {ref.dtype}{tuple(ref.shape)}{ref.stride()} vs {got.dtype}{tuple(got.shape)}{got.stride()}")
-                elif not torch.equal(ref.view(torch.uint8) if ref.numel() and ref.dim() else ref, got.view(torch.uint8) if got.numel() and got.dim() else got):
+                    mismatches.append(
+                        f"{name}: {ref.dtype}{tuple(ref.shape)}{ref.stride()} "
+                        f"vs {got.dtype}{tuple(got.shape)}{got.stride()}"
+                    )
+                elif not torch.equal(
+                    ref.view(torch.uint8) if ref.numel() and ref.dim() else ref,
+                    got.view(torch.uint8) if got.numel() and got.dim() else got,
+                ):
                     mismatches.append(f"{name}: values differ")
         result["processed_tensors_compared"] = compared
         result["processed_tensor_mismatches"] = mismatches

@@ -1,6 +1,6 @@
 """Every crafted bad input against vLLM's real loader, in one process: nothing may be served.
 
-Usage: python tests/bad_inputs_loader.py CHECKPOINT WORKDIR
+Usage: python tests/scenarios/bad_inputs_loader.py CHECKPOINT WORKDIR
 Prints ``LOADER_RESULT {json}``: per case, the exception type raised by
 ``LLM(..., load_format="tensorizer_manifest")`` (anywhere in its cause chain),
 its message, and whether any tokens were generated.
@@ -30,8 +30,8 @@ def _our_error(exc: BaseException):
 def main() -> None:
     checkpoint, workdir = Path(sys.argv[1]), Path(sys.argv[2])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+    from helpers.bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
     from vllm import LLM, SamplingParams
 
     from tensorizer_manifest.save import shutdown
@@ -45,8 +45,16 @@ def main() -> None:
         entry = {"error": None, "message": None, "tokens": None, "raised": None}
         llm = None
         try:
-            llm = LLM(model=str(d), load_format="tensorizer_manifest", dtype="bfloat16", enforce_eager=True,
-                      max_model_len=128, max_num_seqs=1, seed=0, kv_cache_memory_bytes=64 << 20)
+            llm = LLM(
+                model=str(d),
+                load_format="tensorizer_manifest",
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=128,
+                max_num_seqs=1,
+                seed=0,
+                kv_cache_memory_bytes=64 << 20,
+            )
             out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             entry["tokens"] = list(out[0].outputs[0].token_ids)
         except BaseException as exc:  # noqa: BLE001

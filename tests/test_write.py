@@ -19,12 +19,12 @@ Polling can miss short-lived stages; waiting is for "this stage or a later
 one", so a missed stage just moves that kill point a little later. Many kill
 points, not precise timing, give the coverage.
 
-The saving process runs ``tests/synthetic.py OUT SCALE`` (rewrite a checkpoint
+The saving process runs ``tests/helpers/synthetic.py OUT SCALE`` (rewrite a checkpoint
 at OUT forever, a new seed each time). Importing torch costs several CPU
 seconds on a small CI machine, so most kill points use processes forked from
 one "zygote" process that has imported torch, tensorizer and the writer once
 and then runs the script's ``__main__`` with ``runpy``; one kill point of the
-first test starts the script the plain way, ``python tests/synthetic.py OUT SCALE``.
+first test starts the script the plain way, ``python tests/helpers/synthetic.py OUT SCALE``.
 Either way the process killed is a separate process executing that script.
 """
 
@@ -49,7 +49,7 @@ from tensorizer_manifest.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 from tensorizer_manifest.validate import validate_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = "tests/synthetic.py"
+SCRIPT = "tests/helpers/synthetic.py"
 #: One write of the synthetic checkpoint at this scale (~24 MB of tensors) takes ~0.2-0.8 s on 2 cores.
 SCALE = "4096"
 MANIFEST = "model" + MANIFEST_SUFFIX
@@ -58,11 +58,11 @@ WAIT_S = 90.0  # generous ceiling for any single wait on a loaded machine
 STAGES = ("spawn", "tmp", "tensors", "manifest_tmp", "commit")
 posix_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills savers with fork and SIGKILL (POSIX)")
 
-_ZYGOTE = r"""
+_ZYGOTE = rf"""
 import os, runpy, signal, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import tensorizer  # noqa: F401  (imported lazily by the writer: pay for it once, here)
-import synthetic  # noqa: F401  (torch and tensorizer_manifest, imported once)
+import helpers.synthetic  # noqa: F401  (torch and tensorizer_manifest, imported once)
 print("ready", flush=True)
 for line in sys.stdin:
     cmd, *args = line.split()
@@ -72,9 +72,9 @@ for line in sys.stdin:
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)
             os.dup2(devnull, 1)
-            sys.argv = [%(script)r, *args]
+            sys.argv = [{SCRIPT!r}, *args]
             try:
-                runpy.run_path(%(script)r, run_name="__main__")
+                runpy.run_path({SCRIPT!r}, run_name="__main__")
             finally:
                 os._exit(3)
         print(pid, flush=True)
@@ -83,7 +83,7 @@ for line in sys.stdin:
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         print(status, flush=True)
-""" % {"script": SCRIPT}
+"""
 
 
 class Zygote:
@@ -110,7 +110,7 @@ class Zygote:
         self.proc.stdin.flush()
         return self._readline()
 
-    def spawn(self, out: Path) -> "Saver":
+    def spawn(self, out: Path) -> Saver:
         pid = int(self._ask(f"spawn {out} {SCALE}"))
 
         def kill() -> int:
@@ -131,11 +131,9 @@ class Zygote:
         self.proc.stdout.close()
 
 
-def spawn_plain(out: Path) -> "Saver":
-    """``python tests/synthetic.py OUT SCALE`` in a fresh interpreter."""
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, str(out), SCALE], cwd=ROOT, stdout=subprocess.DEVNULL
-    )
+def spawn_plain(out: Path) -> Saver:
+    """``python tests/helpers/synthetic.py OUT SCALE`` in a fresh interpreter."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(out), SCALE], cwd=ROOT, stdout=subprocess.DEVNULL)
 
     def kill() -> int:
         proc.send_signal(signal.SIGKILL)
@@ -245,7 +243,7 @@ class References:
         self._next_seed = 0
 
     def _make(self) -> None:
-        from synthetic import write_synthetic_checkpoint
+        from helpers.synthetic import write_synthetic_checkpoint
 
         seed = self._next_seed
         self._next_seed += 1
@@ -313,12 +311,18 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         assert not others, f"kill at {info}: unexpected files {others}"
         report = validate_checkpoint(out)
         if (out / MANIFEST).exists():
-            assert report.ok, f"kill at {info}: a manifest is in place but the checkpoint is not valid: {report.problems}"
+            assert report.ok, (
+                f"kill at {info}: a manifest is in place but the checkpoint is not valid: {report.problems}"
+            )
             seed = references.seed_of_manifest(out / MANIFEST)
             assert seed is not None and seed >= 1, f"kill at {info}: the manifest is not one the saver writes whole"
             tensor_name = read_manifest(out / MANIFEST).tensor_file.path
             extra = [n for n in orphans if n != tensor_name]
-            outcome = f"complete (save {seed})" + (" + unreferenced .tensors" if extra else "") + (" + .tmp" if hidden else "")
+            outcome = (
+                f"complete (save {seed})"
+                + (" + unreferenced .tensors" if extra else "")
+                + (" + .tmp" if hidden else "")
+            )
         else:
             assert not report.ok
             assert [p.kind for p in report.problems] == [CheckpointNotFoundError], report.problems
@@ -332,12 +336,17 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         shutil.rmtree(out)
     print("\nfirst save, kill points -> outcome:")
     for info, outcome in details:
-        print(f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}")
+        print(
+            f"  {info['anchor']:>12} +{info['delay']:<6} "
+            f"(reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+        )
     print("outcomes:", dict(outcomes))
     assert sum(n for k, n in outcomes.items() if k.startswith("no manifest")) >= 1, outcomes
     assert sum(n for k, n in outcomes.items() if k.startswith("complete")) >= 1, outcomes
     # Killing after the temporary tensor file exists but before the commit must have been exercised.
-    assert any(o.startswith("no manifest") and i["reached"] in ("tmp", "tensors", "manifest_tmp") for i, o in details), details
+    assert any(
+        o.startswith("no manifest") and i["reached"] in ("tmp", "tensors", "manifest_tmp") for i, o in details
+    ), details
 
 
 # Kill points for a save over a good checkpoint.
@@ -361,7 +370,7 @@ OVERWRITE_POINTS = [
 
 @posix_only
 def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_path):
-    from synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import write_synthetic_checkpoint
 
     template = write_synthetic_checkpoint(tmp_path / "template", seed=0, scale=int(SCALE))
     assert validate_checkpoint(template).ok
@@ -396,7 +405,11 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
             references.check_complete_tensor_file(out / name)
         others = set(os.listdir(out)) - set(tensors) - set(hidden) - {MANIFEST, "config.json"}
         assert not others, f"kill at {info}: unexpected files {others}"
-        outcome = ("old" if is_old else f"new (save {seed})") + (" + unreferenced .tensors" if extra else "") + (" + .tmp" if hidden else "")
+        outcome = (
+            ("old" if is_old else f"new (save {seed})")
+            + (" + unreferenced .tensors" if extra else "")
+            + (" + .tmp" if hidden else "")
+        )
         outcomes[outcome] += 1
         details.append((info, outcome))
         if last is not None:
@@ -404,7 +417,10 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
         last = out
     print("\nsave over a good checkpoint, kill points -> outcome:")
     for info, outcome in details:
-        print(f"  {info['anchor']:>12} +{info['delay']:<6} (reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}")
+        print(
+            f"  {info['anchor']:>12} +{info['delay']:<6} "
+            f"(reached {info['reached']:>12}, {info['seconds']:5.2f} s): {outcome}"
+        )
     print("outcomes:", dict(outcomes))
     assert any(o.startswith("old") for o in outcomes), outcomes
     assert any(o.startswith("new") for o in outcomes), outcomes
@@ -419,7 +435,7 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
 
 
 def test_leftover_temporary_files_do_not_confuse_lookup(tmp_path):
-    from synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import write_synthetic_checkpoint
 
     # Beside a good checkpoint: ignored.
     out = write_synthetic_checkpoint(tmp_path / "good", seed=0, scale=1)

@@ -1,6 +1,6 @@
 """vLLM's own load_format="tensorizer" on a tiny model, in its own process (issue #55198 baseline).
 
-Usage: python tests/baseline_scenario.py KIND WORKDIR {native|raw}
+Usage: python tests/scenarios/baseline.py KIND WORKDIR {native|raw}
 
 native: save with vLLM's own worker method ``save_tensorized_model`` (the
 "native" file: processed weights plus the vLLM marker) and load it back.
@@ -31,8 +31,15 @@ def main() -> None:
         if mode == "native":
             from vllm import LLM
 
-            llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1,
-                      seed=0, kv_cache_memory_bytes=64 << 20)
+            llm = LLM(
+                model=model_dir,
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=128,
+                max_num_seqs=1,
+                seed=0,
+                kv_cache_memory_bytes=64 << 20,
+            )
             try:
                 llm.collective_rpc("save_tensorized_model", kwargs={"tensorizer_config": {"tensorizer_uri": path}})
             except Exception as exc:  # the extra-artifact download fails offline; the tensors are written first

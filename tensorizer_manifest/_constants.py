@@ -1,0 +1,21 @@
+"""Names every part of the package shares: the version, vLLM load formats, environment variables.
+
+Nothing here imports anything, so any module may import it without creating a cycle.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.2.0"
+
+#: What wrote a manifest (its ``producer`` field).
+PRODUCER = f"tensorizer-manifest {__version__}"
+
+#: ``LLM(load_format=LOAD_FORMAT)`` loads a checkpoint this package saved.
+LOAD_FORMAT = "tensorizer_manifest"
+#: vLLM's default loader, observed around its post-load step so that the engine can save itself.
+CAPTURE_LOAD_FORMAT = "tensorizer_manifest_capture"
+#: ``worker_extension_cls`` that adds ``save_tensorizer_manifest`` and ``tensorizer_manifest_report``.
+WORKER_EXTENSION = "tensorizer_manifest.vllm_integration.ManifestWorkerExtension"
+
+#: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN), in every process.
+CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"

@@ -1,0 +1,155 @@
+"""Every private vLLM name this package touches, each behind one small function.
+
+vLLM does not promise these names across releases. Keeping them here means a
+vLLM upgrade that moves one fails in one place, with one message naming the
+vLLM version (``missing_private_names`` lists what is gone; a test runs it).
+vLLM itself is imported inside the functions: importing this module is free.
+
+Also here: the few public vLLM calls more than one module needs (parallel
+ranks, the model class), so that each is written once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .errors import UnsupportedModelError
+from .schema import qualified_class
+
+#: (module, attribute) of every private vLLM name used below.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
+    ("vllm._custom_ops", "_supports_onednn"),
+    ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config"),
+    ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading"),
+)
+#: Supported vLLM releases (also in README.md).
+SUPPORTED_VLLM = ">=0.32,<0.34"
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def missing_private_names() -> list[str]:
+    """The private names above that this vLLM lacks (empty when all are there)."""
+    import importlib
+
+    missing = []
+    for module_name, attr in PRIVATE_NAMES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(f"{module_name} (module)")
+            continue
+        if not hasattr(module, attr):
+            missing.append(f"{module_name}.{attr}")
+    return missing
+
+
+def _gone(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"vLLM {vllm_version()} has no {what}, which tensorizer-manifest relies on; "
+        f"use a supported vLLM ({SUPPORTED_VLLM}) or upgrade tensorizer-manifest"
+    )
+
+
+# --- model loaders -------------------------------------------------------------------------------
+
+
+def register_model_loader_once(load_format: str, loader_cls: type) -> bool:
+    """Register ``loader_cls`` for ``load_format`` unless it is already there (no vLLM warning)."""
+    from vllm.model_executor import model_loader
+
+    registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
+    if registry is not None and registry.get(load_format) is loader_cls:
+        return False
+    model_loader.register_model_loader(load_format)(loader_cls)
+    return True
+
+
+@contextmanager
+def observe_post_load(observer: Callable[[Any, Callable[[], None]], None]) -> Iterator[None]:
+    """Within the block, vLLM's loaders call ``observer(model, run_step)`` instead of the post-load step.
+
+    ``run_step()`` runs vLLM's own step. vLLM's ``BaseModelLoader.load_model``
+    calls ``process_weights_after_loading`` through its module's global name,
+    which is what is replaced here (and put back afterwards).
+    """
+    from vllm.model_executor.model_loader import base_loader
+
+    original = getattr(base_loader, "process_weights_after_loading", None)
+    if original is None:
+        raise _gone("base_loader.process_weights_after_loading to observe")
+
+    def observed(model, model_config, target_device):
+        observer(model, lambda: original(model, model_config, target_device))
+
+    base_loader.process_weights_after_loading = observed
+    try:
+        yield
+    finally:
+        base_loader.process_weights_after_loading = original
+
+
+# --- CPU kernels ---------------------------------------------------------------------------------
+
+
+def onednn_enabled() -> bool:
+    """Whether vLLM's CPU linear layers use oneDNN handles in this process."""
+    from vllm import _custom_ops
+
+    return bool(getattr(_custom_ops, "_supports_onednn", False))
+
+
+def disable_onednn() -> None:
+    """Send vLLM's unquantized CPU linear layers to its torch fallback, which keeps their weights."""
+    from vllm import _custom_ops
+
+    if not hasattr(_custom_ops, "_supports_onednn"):
+        raise _gone("_custom_ops._supports_onednn (the switch between oneDNN and its torch fallback)")
+    _custom_ops._supports_onednn = False
+
+
+def skips_cpu_gemm_dispatch(module: Any) -> bool:
+    """Layers vLLM marks to keep ``F.linear`` (MLA's ``kv_b_proj``): a flag vLLM sets on the layer."""
+    return bool(getattr(module, "_cpu_skip_gemm_dispatch", False))
+
+
+# --- engine facts --------------------------------------------------------------------------------
+
+
+def quant_config_hash(model_config: Any) -> str | None:
+    """vLLM's own hash of a quantization config (its weight cache's key), None when unquantized."""
+    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
+    if quant_cfg is None and model_config.quantization is None:
+        return None
+    try:
+        from vllm.model_executor.model_loader.weight_cache.protocol import _hash_quant_config
+    except ImportError:  # older vLLM: a hash of our own over the same config
+        blob = json.dumps(quant_cfg, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+    return _hash_quant_config(quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config)
+
+
+def parallel_ranks() -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline-parallel rank) of this process; (0, 0) before vLLM sets them up."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+
+
+def model_class_name(model_config: Any) -> str:
+    """The qualified name of the model class vLLM builds for ``model_config``."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    model_class, _ = get_model_architecture(model_config)
+    return qualified_class(model_class)

@@ -1,0 +1,261 @@
+"""Observing a live vLLM layer: its tensors, kernels and runtime state, snapshots and their diff.
+
+Both directions use this: capture snapshots every layer before and after vLLM's
+post-load step and diffs them; load and replay compare a freshly built model
+with the manifest and check what replay rebuilt. Also here: which layers have
+a post-load step, and in which order vLLM runs them.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedModelError
+from .schema import KernelRecord, plain_value
+
+# nn.Module bookkeeping that is not state of the layer.
+_MODULE_INTERNALS = frozenset(
+    {
+        "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+        "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
+        "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+    }
+)  # fmt: skip
+
+_MISSING = object()
+
+#: What ``post_load_steps`` yields as a step's kind.
+QUANT_METHOD_STEP = "quant_method"
+ATTENTION_STEP = "attention"
+
+
+def describe(value: object) -> str:
+    """A stable, readable type for a runtime attribute or kernel.
+
+    Python functions are named with their closure variables, which is what
+    tells vLLM's CPU GEMM closures apart (``[handler]`` is oneDNN, none is the
+    torch fallback); builtins such as ``F.linear`` by their own name.
+    """
+    if hasattr(value, "__code__"):
+        free = ",".join(value.__code__.co_freevars)
+        return f"{value.__module__}.{value.__qualname__}" + (f"[{free}]" if free else "")
+    if isinstance(value, types.BuiltinFunctionType):
+        return f"{value.__module__}.{value.__qualname__}"
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_kernel(value: object) -> bool:
+    cls = type(value)
+    return cls.__name__.endswith("Kernel") or ".kernels." in (cls.__module__ or "")
+
+
+def owners_of(module: torch.nn.Module) -> dict[str, Any]:
+    """Objects whose attributes make up a layer's runtime state, by owner name."""
+    owners: dict[str, Any] = {"layer": module}
+    quant_method = getattr(module, "quant_method", None)
+    if quant_method is not None and hasattr(quant_method, "__dict__"):
+        owners["quant_method"] = quant_method
+    for attr in ("scheme", "impl"):
+        value = module.__dict__.get(attr)
+        if value is not None and hasattr(value, "__dict__"):
+            owners[attr] = value
+    for owner_name in list(owners):
+        if owner_name == "layer":
+            continue
+        for attr, value in vars(owners[owner_name]).items():
+            if _is_kernel(value) and hasattr(value, "__dict__"):
+                owners[f"{owner_name}.{attr}"] = value
+    return owners
+
+
+def find_kernels(module: torch.nn.Module) -> list[KernelRecord]:
+    """The objects a layer's forward dispatches to: kernels, scheme, attention impl, cpu_linear."""
+    kernels: list[KernelRecord] = []
+    for owner_name, owner in owners_of(module).items():
+        if owner_name not in ("quant_method", "scheme"):
+            continue
+        for attr, value in vars(owner).items():
+            if _is_kernel(value):
+                kernels.append(KernelRecord(owner=owner_name, attr=attr, kernel_class=describe(value)))
+    layer_dict = module.__dict__
+    for attr in ("scheme", "impl", "cpu_linear"):
+        if attr in layer_dict and layer_dict[attr] is not None:
+            kernels.append(KernelRecord(owner="layer", attr=attr, kernel_class=describe(layer_dict[attr])))
+    return kernels
+
+
+def owner_attrs(owner_name: str, owner: Any) -> dict[str, Any]:
+    attrs = dict(vars(owner))
+    if owner_name == "layer":
+        for key in _MODULE_INTERNALS:
+            attrs.pop(key, None)
+    return attrs
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str, bool]]:
+    """A module's own tensors: name -> (tensor, ``parameter`` or ``buffer``, persistent)."""
+    out: dict[str, tuple[torch.Tensor, str, bool]] = {}
+    for name, param in module._parameters.items():
+        if param is not None:
+            out[name] = (param, "parameter", True)
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            out[name] = (buf, "buffer", name not in module._non_persistent_buffers_set)
+    return out
+
+
+# --- which layers have a post-load step, in vLLM's order -----------------------------------------
+
+
+def has_quant_method_step(module: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+
+
+def has_attention_step(module: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    return bool(is_deferred_attention_layer(module))
+
+
+def has_post_load(module: torch.nn.Module) -> bool:
+    return has_quant_method_step(module) or has_attention_step(module)
+
+
+def post_load_steps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(path, module, kind)`` in the order vLLM's ``process_weights_after_loading`` runs them.
+
+    Every module with a quant method, in module order, then every deferred
+    attention layer (a layer can appear twice, once per kind).
+    """
+    modules = list(model.named_modules())
+    steps = [(path, module, QUANT_METHOD_STEP) for path, module in modules if has_quant_method_step(module)]
+    steps += [(path, module, ATTENTION_STEP) for path, module in modules if has_attention_step(module)]
+    return steps
+
+
+def refuse_model_level_hook(model: torch.nn.Module) -> None:
+    """A model-level post-load hook does things no restorer describes: refuse it, never guess."""
+    if hasattr(model, "process_weights_after_loading"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has a model-level post-load hook, whose effects no restorer "
+            "describes; tensorizer-manifest cannot save or replay this model yet"
+        )
+
+
+# --- snapshots and their diff --------------------------------------------------------------------
+
+
+@dataclass
+class TensorSlot:
+    tensor: torch.Tensor
+    kind: str  # "parameter" | "buffer"
+    persistent: bool
+    identity: tuple[int, int, int]  # (id, data_ptr, _version) of the live tensor when snapshotted
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int, int]:
+    return (id(t), t.data_ptr() if t.numel() else 0, t._version)
+
+
+@dataclass
+class ModuleSnapshot:
+    tensors: dict[str, TensorSlot]
+    attrs: dict[str, dict[str, Any]]  # owner -> attribute -> value (tensors by reference)
+    kernels: list[KernelRecord]
+
+
+def snapshot_module(module: torch.nn.Module, clones: dict[int, torch.Tensor] | None) -> ModuleSnapshot:
+    """Snapshot a module. With ``clones``, tensors are copied (shared through the memo, so ties survive)."""
+    tensors: dict[str, TensorSlot] = {}
+    for name, (tensor, kind, persistent) in module_tensors(module).items():
+        identity = _identity(tensor)
+        kept = tensor
+        if clones is not None:
+            kept = clones.get(id(tensor))
+            if kept is None:
+                kept = _clone_like(tensor)
+                clones[id(tensor)] = kept
+        tensors[name] = TensorSlot(kept, kind, persistent, identity)
+    attrs = {owner_name: owner_attrs(owner_name, owner) for owner_name, owner in owners_of(module).items()}
+    return ModuleSnapshot(tensors, attrs, find_kernels(module))
+
+
+def _clone_like(tensor: torch.Tensor) -> torch.Tensor:
+    """Copy data, keeping the Parameter class, its plain attributes, stride and requires_grad."""
+    data = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    data.copy_(tensor.detach())
+    if isinstance(tensor, torch.nn.Parameter):
+        clone = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
+        for key, value in tensor.__dict__.items():
+            if plain_value(value)[0]:
+                setattr(clone, key, value)
+        return clone
+    return data
+
+
+@dataclass
+class LayerDiff:
+    """What the post-load step did to one layer."""
+
+    added_tensors: set[str] = field(default_factory=set)
+    removed_tensors: set[str] = field(default_factory=set)
+    changed_tensors: set[str] = field(default_factory=set)
+    #: (owner, attribute) -> value after the step, for attributes added or changed
+    changed_attrs: dict[tuple[str, str], Any] = field(default_factory=dict)
+    removed_attrs: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def tensors_untouched(self) -> bool:
+        return not (self.added_tensors or self.removed_tensors or self.changed_tensors)
+
+    @property
+    def empty(self) -> bool:
+        return self.tensors_untouched and not (self.changed_attrs or self.removed_attrs)
+
+
+def _same_value(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    if plain_value(a)[0] and plain_value(b)[0]:
+        return type(a) is type(b) and a == b
+    return False
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def diff_snapshots(before: ModuleSnapshot, after: ModuleSnapshot) -> LayerDiff:
+    """What changed from ``before`` to ``after``.
+
+    A tensor changed when it is another object, moved, or was written in place
+    (torch's version counter). Writes through ``.data`` bump no counter, so
+    where ``before`` holds a copy the bytes are compared as well.
+    """
+    diff = LayerDiff()
+    diff.added_tensors = set(after.tensors) - set(before.tensors)
+    diff.removed_tensors = set(before.tensors) - set(after.tensors)
+    for name in set(before.tensors) & set(after.tensors):
+        was, now = before.tensors[name], after.tensors[name]
+        if was.identity != now.identity or (was.tensor is not now.tensor and not _same_bytes(was.tensor, now.tensor)):
+            diff.changed_tensors.add(name)
+    for owner in set(before.attrs) | set(after.attrs):
+        b = before.attrs.get(owner, {})
+        a = after.attrs.get(owner, {})
+        for attr, value in a.items():
+            if not _same_value(b.get(attr, _MISSING), value):
+                diff.changed_attrs[(owner, attr)] = value
+        for attr in set(b) - set(a):
+            diff.removed_attrs.add((owner, attr))
+    return diff

@@ -1,0 +1,20 @@
+"""Restorers, one module per kernel family; this package imports them all.
+
+Supporting a new kernel is one new module here (a ``Restorer`` subclass, and
+``register`` of an instance) plus its test: nothing else changes. Modules are
+imported in name order, which is the order ``find_restorer`` asks them in;
+restorers should apply to disjoint kinds of layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import RESTORERS, Restorer, find_restorer, known_replays, register
+
+for _module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["RESTORERS", "Restorer", "find_restorer", "known_replays", "register"]

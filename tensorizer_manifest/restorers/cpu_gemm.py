@@ -1,0 +1,52 @@
+"""CPU unquantized linear and embedding layers: rebuild the ``cpu_linear`` dispatch.
+
+vLLM's step builds ``layer.cpu_linear`` from the weight. When the step left
+every tensor as it was (vLLM's torch fallback, or an embedding, which keeps its
+weight), the saved weight is the raw one and calling vLLM's own dispatch on it
+rebuilds the closure. When the step packed the weight into a oneDNN handle and
+dropped it, nothing savable is left and the layer is saved raw instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._vllm_compat import skips_cpu_gemm_dispatch
+from .base import Restorer, register
+
+
+class CpuUnquantizedGemmRestorer(Restorer):
+    name = "cpu_unquantized_gemm"
+    kernel_independent = True
+
+    def applies_to(self, module):
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu() and type(getattr(module, "quant_method", None)) in (
+            UnquantizedLinearMethod,
+            UnquantizedEmbeddingMethod,
+        )
+
+    def covers(self, module, diff):
+        if not diff.tensors_untouched:
+            changed = sorted(diff.added_tensors | diff.removed_tensors | diff.changed_tensors)
+            return f"the step replaced or packed tensors {changed} (e.g. into a oneDNN handle)"
+        extra = set(diff.changed_attrs) - {("layer", "cpu_linear")}
+        if extra or diff.removed_attrs:
+            return f"the step created state no restorer rebuilds: {sorted(extra | diff.removed_attrs)}"
+        return None
+
+    def replay(self, module, model_config):
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        if skips_cpu_gemm_dispatch(module):
+            module.cpu_linear = torch.nn.functional.linear
+            return
+        remove_weight = isinstance(module.quant_method, UnquantizedLinearMethod)
+        dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
+
+
+register(CpuUnquantizedGemmRestorer())

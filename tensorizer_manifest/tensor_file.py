@@ -1,0 +1,147 @@
+"""The tensor file on disk: writing it with tensorizer, reading it back, its index and head hash.
+
+The only module that imports tensorizer, so a tensorizer upgrade touches one
+file. Tensors go in contiguous and with their dtype untouched; the manifest
+(``tensors.py``) carries everything else about their form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import blake3
+import torch
+
+from .errors import IntegrityError
+
+#: Bytes read at a time when hashing the non-data parts of a tensor file.
+_CHUNK = 1 << 20
+
+
+class IndexEntry(NamedTuple):
+    """One tensor in tensorizer's index."""
+
+    dtype: str
+    """torch dtype name without ``torch.``."""
+    shape: list[int]
+    data_offset: int
+    data_length: int
+    header_offset: int
+    """Where tensorizer's own per-tensor header starts."""
+
+
+def write_tensor_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write ``(key, tensor)`` pairs with tensorizer, contiguous, dtype untouched."""
+    from tensorizer import TensorSerializer, TensorType
+
+    serializer = TensorSerializer(str(path))
+    try:
+        for key, tensor in tensors:
+            data = tensor.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            serializer.write_tensor(0, key, TensorType.STATE_DICT, data.contiguous())
+    finally:
+        serializer.close()
+
+
+class TensorFileReader:
+    """Reads stored tensors by key, lazily, one at a time. Use it as a context manager."""
+
+    def __init__(self, path: Path, device: str = "cpu"):
+        from tensorizer import TensorDeserializer
+
+        self.path = Path(path)
+        try:
+            self._deserializer = TensorDeserializer(str(self.path), device=device, lazy_load=True, verify_hash=False)
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            raise IntegrityError(
+                f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})"
+            ) from None
+        self.keys = set(self._deserializer.keys())
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self.keys:
+            raise IntegrityError(f"{self.path.name}: tensor {key!r} named in the manifest is not in the file")
+        try:
+            tensor = self._deserializer[key]
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            raise IntegrityError(
+                f"{self.path.name}: tensor {key!r} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+            ) from None
+        return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+
+    def close(self) -> None:
+        self._deserializer.close()
+
+    def __enter__(self) -> TensorFileReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _torch_dtype_name(tensorizer_dtype: str) -> str:
+    if "torch." in tensorizer_dtype:
+        return tensorizer_dtype.rsplit("torch.", 1)[1]
+    import numpy as np
+
+    return str(np.dtype(tensorizer_dtype))
+
+
+def read_index(path: Path) -> dict[str, IndexEntry]:
+    """tensorizer's index of a file, by tensor name. Reads no tensor data.
+
+    Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
+    the one place this package touches a private tensorizer name.
+    """
+    from tensorizer import TensorDeserializer
+
+    deserializer = TensorDeserializer(str(path), device="cpu", lazy_load=True, verify_hash=False)
+    try:
+        index = {}
+        for key, entry in deserializer._metadata.items():
+            name = key if isinstance(key, str) else ".".join(entry.name)
+            index[name] = IndexEntry(
+                _torch_dtype_name(entry.dtype),
+                list(entry.shape),
+                int(entry.data_offset),
+                int(entry.data_length),
+                int(entry.offset),
+            )
+        return index
+    finally:
+        deserializer.close()
+
+
+def head_hash(path: Path, index: dict[str, IndexEntry] | None = None) -> str:
+    """blake3 of every byte of the file that is not tensor data.
+
+    That is tensorizer's file header, its index and each tensor's own header
+    (names, dtypes, shapes, offsets, tensorizer's checksums): a few KiB per
+    tensor, so checking it costs little, and with the content hashes it covers
+    every byte of the file. It binds the manifest to this exact file.
+    """
+    if index is None:
+        index = read_index(path)
+    size = path.stat().st_size
+    # Clamped: a damaged index may claim offsets past the end (reported elsewhere); never seek there.
+    spans = sorted(
+        (min(max(e.data_offset, 0), size), min(max(e.data_offset + e.data_length, 0), size)) for e in index.values()
+    )
+    h = blake3.blake3()
+    position = 0
+    with open(path, "rb") as f:
+        for start, end in [*spans, (size, size)]:
+            f.seek(position)
+            remaining = max(0, start - position)
+            while remaining:
+                chunk = f.read(min(remaining, _CHUNK))
+                if not chunk:
+                    break
+                h.update(chunk)
+                remaining -= len(chunk)
+            position = max(position, end)
+    return "blake3:" + h.hexdigest()

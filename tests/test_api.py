@@ -1,0 +1,70 @@
+"""The public API: what `tensorizer_manifest` exports, its errors, and what importing it costs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import tensorizer_manifest as tm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_public_api_is_what_was_meant():
+    assert set(tm.__all__) == {
+        "__version__", "FORMAT_VERSION", "LOAD_FORMAT", "CAPTURE_LOAD_FORMAT", "WORKER_EXTENSION",
+        "save_checkpoint", "SaveOptions", "SaveResult",
+        "Manifest", "read_manifest", "decode_manifest", "encode_manifest", "json_schema",
+        "validate_checkpoint", "ValidationReport", "Problem",
+        "Restorer", "register_restorer",
+        "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
+        "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
+    }  # fmt: skip
+    for name in tm.__all__:
+        assert getattr(tm, name) is not None, name
+    assert set(tm.__all__) <= set(dir(tm))
+
+
+def test_lazy_names_are_the_real_objects():
+    from tensorizer_manifest.restorers import Restorer, register
+    from tensorizer_manifest.save import save_checkpoint
+    from tensorizer_manifest.validate import validate_checkpoint
+
+    assert tm.Restorer is Restorer and tm.register_restorer is register
+    assert tm.save_checkpoint is save_checkpoint and tm.validate_checkpoint is validate_checkpoint
+
+
+def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
+    assert issubclass(tm.ManifestError, ValueError)
+    assert issubclass(tm.ManifestVersionError, tm.ManifestError)
+    assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(tm.ConfigurationError, ValueError)
+    assert issubclass(tm.ReplayError, RuntimeError)
+    for name in ("ManifestError", "CheckpointNotFoundError", "ConfigurationError", "IntegrityError",
+                 "CompatibilityError", "UnsupportedModelError", "ReplayError"):  # fmt: skip
+        assert issubclass(getattr(tm, name), tm.TensorizerManifestError)
+
+
+def test_importing_the_package_imports_neither_torch_nor_vllm():
+    code = (
+        "import sys, tensorizer_manifest as tm\n"
+        "tm.read_manifest, tm.Manifest, tm.decode_manifest\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'tensorizer'))\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_version_is_the_packaged_one():
+    from importlib.metadata import version
+
+    assert tm.__version__ == version("tensorizer-manifest")
+
+
+def test_no_pickle_anywhere_in_the_package():
+    for path in (ROOT / "tensorizer_manifest").rglob("*.py"):
+        text = path.read_text()
+        for needle in ("import pickle", "cloudpickle", "torch.load(", "pickle.load"):
+            assert needle not in text, f"{path.name} uses {needle}"

@@ -1,0 +1,56 @@
+"""Deciding raw or processed from what the post-load step did (layers are plain torch doubles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorizer_manifest.capture import Recorder, classify
+from tensorizer_manifest.errors import UnsupportedModelError
+from tensorizer_manifest.layers import snapshot_module
+
+pytest.importorskip("vllm")
+
+
+def _layer():
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)
+    return layer
+
+
+def test_a_layer_the_step_did_not_touch_is_processed_with_nothing_to_replay():
+    layer = _layer()
+    before = snapshot_module(layer, clones={})
+    captured = classify("norm", layer, before, snapshot_module(layer, None))
+    assert (captured.state, captured.replay) == ("processed", "none")
+
+
+def test_a_layer_no_restorer_covers_is_raw_and_keeps_its_pre_step_tensors():
+    layer = _layer()
+    before = snapshot_module(layer, clones={})
+    layer.weight = torch.nn.Parameter(torch.zeros(0), requires_grad=False)
+    layer.register_buffer("azp_adj", torch.ones(4))
+    layer.handle = object()
+    captured = classify("proj", layer, before, snapshot_module(layer, None))
+    assert (captured.state, captured.replay) == ("raw", "post_load")
+    assert torch.equal(captured.tensors["weight"].tensor, torch.ones(4, 4))
+    assert "no restorer" in captured.reason
+    assert {(a.owner, a.name) for a in captured.runtime_state} == {("layer", "azp_adj"), ("layer", "handle")}
+    assert all(a.rebuilt_by == "post_load" for a in captured.runtime_state)
+
+
+def test_a_model_level_hook_is_refused_before_the_step():
+    model = torch.nn.Module()
+    model.process_weights_after_loading = lambda *a: None
+    with pytest.raises(UnsupportedModelError, match="model-level post-load hook"):
+        Recorder(model)
+
+
+def test_a_layer_changed_without_a_step_of_its_own_is_refused():
+    model = torch.nn.Module()
+    model.norm = _layer()
+    recorder = Recorder(model)
+    with torch.no_grad():
+        model.norm.weight.fill_(2.0)  # in place, as a model-level hook would
+    with pytest.raises(UnsupportedModelError, match="no post-load step of its own"):
+        recorder.finish(fingerprint=None)

@@ -1,0 +1,52 @@
+"""Finding a checkpoint's files: per-rank stems, manifests, the tensor file a manifest names."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.synthetic import write_synthetic_checkpoint
+
+from tensorizer_manifest import checkpoint
+from tensorizer_manifest.errors import CheckpointNotFoundError, ManifestError
+
+
+def test_stems_per_rank():
+    assert checkpoint.checkpoint_stem() == "model"
+    assert checkpoint.checkpoint_stem(1, 2) == "model-tp1-of-2"
+    assert checkpoint.checkpoint_stem(0, 2, 1, 2) == "model-tp0-of-2-pp1-of-2"
+    assert checkpoint.checkpoint_stem(0, 1, 1, 4) == "model-pp1-of-4"
+
+
+def test_manifest_is_found_from_the_directory_or_the_file(tmp_path):
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    manifest, path = checkpoint.load_manifest(d)
+    assert path == d / "model.manifest.json"
+    assert checkpoint.read_manifest(path) == manifest == checkpoint.read_manifest(d, "model")
+
+
+def test_a_rank_manifest_that_is_missing_names_the_layout(tmp_path):
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointNotFoundError, match="model-tp1-of-2.manifest.json.*tensor- and pipeline-parallel"):
+        checkpoint.find_manifest(d, "model-tp1-of-2")
+
+
+def test_no_manifest_and_no_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="not a tensorizer-manifest checkpoint"):
+        checkpoint.find_manifest(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint"):
+        checkpoint.find_manifest(tmp_path / "nope")
+
+
+def test_oversized_manifest_is_refused_before_parsing(tmp_path, monkeypatch):
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(checkpoint, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(ManifestError, match="over the 100 byte limit"):
+        checkpoint.load_manifest(d)
+
+
+@pytest.mark.parametrize("name", ["../x.tensors", "/etc/passwd", "", "..", "~x", "a\\b"])
+def test_tensor_file_must_be_a_plain_name_inside_the_directory(tmp_path, name):
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    manifest, path = checkpoint.load_manifest(d)
+    manifest.tensor_file.path = name
+    with pytest.raises(ManifestError, match="plain file name"):
+        checkpoint.resolve_tensor_file(manifest, path)

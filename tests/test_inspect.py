@@ -1,0 +1,19 @@
+"""What `inspect` shows: short class names, rows per layer, the summary (no torch needed)."""
+
+from __future__ import annotations
+
+from helpers.synthetic import write_synthetic_checkpoint
+
+from tensorizer_manifest.checkpoint import read_manifest
+from tensorizer_manifest.inspect import layer_row, summary
+
+
+def test_rows_and_summary_of_the_synthetic_checkpoint(tmp_path):
+    manifest = read_manifest(write_synthetic_checkpoint(tmp_path / "ckpt"))
+    rows = {row["path"]: row for row in map(layer_row, manifest.modules)}
+    assert rows["lm_head"]["aliases"] == 1 and rows["lm_head"]["bytes"] == 0  # tied: stored once, elsewhere
+    assert rows["model.embed_tokens"]["kernels"] == ["cpu_linear=linear"]
+    assert rows["model.layers.0.mlp.down_proj"]["runtime_state"] == ["azp_adj"]
+    s = summary(manifest)
+    assert (s["layers"], s["raw_layers"], s["processed_layers"]) == (4, 1, 3)
+    assert s["tensor_file_bytes"] == manifest.tensor_file.size and s["model_class"] == "LlamaForCausalLM"

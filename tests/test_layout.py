@@ -1,0 +1,118 @@
+"""The package's layout contract, read from the source (imports inside functions included).
+
+- No import cycle among the package's modules.
+- No module imports a private name (``_x``) from another module of the package;
+  the private modules ``_constants`` and ``_vllm_compat`` are imported whole, for their public names.
+- No module imports from the package root (``__init__`` is the public face, not a dependency).
+- Every module says what it is for, and ``docs/design.md`` lists it.
+
+``pyproject.toml``'s import-linter contract (``make lint``) states the layers themselves.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tensorizer_manifest"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    is_package = MODULES[importer].name == "__init__.py"
+    base = importer.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(name: str) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or '', line) for every import of the package, anywhere."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(name, node)
+            if target.split(".")[0] != "tensorizer_manifest":
+                continue
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                if submodule in MODULES:
+                    found.append((submodule, "", node.lineno))
+                else:
+                    found.append((target, alias.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "tensorizer_manifest"]
+    return found
+
+
+def test_the_module_list_is_read():
+    assert {"tensorizer_manifest.schema", "tensorizer_manifest.restorers.base"} <= set(MODULES)
+
+
+def test_no_import_cycle():
+    graph = {name: {target for target, _, _ in _imports(name) if target != name} for name in MODULES}
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
+    assert set(MODULES) <= set(order)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    offences = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {attr} from {target}"
+        for name in MODULES
+        for target, attr, line in _imports(name)
+        if attr.startswith("_") and not attr.startswith("__")
+    ]
+    assert not offences, offences
+
+
+def test_no_private_attribute_of_a_package_module_is_used():
+    offences = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        bound = {attr.split(".")[-1] for target, attr, _ in _imports(name) if not attr and target in MODULES}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not offences, offences
+
+
+def test_no_module_imports_the_package_root():
+    offences = [
+        f"{MODULES[name].relative_to(ROOT)}:{line}"
+        for name in MODULES
+        if name != "tensorizer_manifest"
+        for target, _, line in _imports(name)
+        if target == "tensorizer_manifest"
+    ]
+    assert not offences, f"import from the defining module instead: {offences}"
+
+
+def test_every_module_has_a_docstring_and_a_place_in_the_design_map():
+    design = (ROOT / "docs" / "design.md").read_text()
+    for path in MODULES.values():
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(ROOT)} has no docstring"
+        shown = str(path.relative_to(PACKAGE)) if path.name != "__init__.py" else str(path.parent.relative_to(PACKAGE))
+        is_restorer = shown.startswith("restorers/") and shown != "restorers/base.py"  # listed by `kernels`
+        if shown != "." and not is_restorer:
+            assert f"`{shown}" in design, f"docs/design.md does not list {shown}"

@@ -1,0 +1,97 @@
+"""Restoring tensors into a freshly built model, and checking the model against the manifest first.
+
+The model is a plain torch double with the synthetic checkpoint's layer paths; the
+vLLM end of loading is proved in the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.synthetic import make_capture, write_synthetic_checkpoint
+
+from tensorizer_manifest.checkpoint import load_manifest
+from tensorizer_manifest.errors import CompatibilityError, IntegrityError
+from tensorizer_manifest.load import check_model, restore_tensors
+from tensorizer_manifest.tensor_file import TensorFileReader
+from tensorizer_manifest.validate import check_files
+
+
+def _fresh_model() -> torch.nn.Module:
+    """What a fresh build of the synthetic layers looks like: the same names, other values."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Module()
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    down = model.model.layers[0].mlp.down_proj = torch.nn.Module()
+    down.weight = torch.nn.Parameter(torch.zeros(48, 32, dtype=torch.int8), requires_grad=False)
+    down.weight_scale = torch.nn.Parameter(torch.zeros(48, 1))
+    down.register_buffer("empty", torch.empty(0, dtype=torch.bfloat16))
+    model.model.norm = torch.nn.Module()
+    model.model.norm.weight = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    model.model.norm.register_buffer("cache", torch.zeros(8, 16), persistent=False)
+    model.lm_head = torch.nn.Module()
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("load") / "ckpt")
+
+
+def test_restore_puts_back_exact_tensors_ties_and_layouts(checkpoint):
+    manifest, path = load_manifest(checkpoint)
+    model = _fresh_model()
+    fresh_embedding = model.model.embed_tokens.weight
+    check_model(manifest, model)
+    with TensorFileReader(check_files(manifest, path)) as reader:
+        nbytes = restore_tensors(model, manifest, reader)
+    assert nbytes == sum(r.nbytes for _, r in manifest.ordered_records() if r.key)
+    saved = {layer.path: layer.tensors for layer in make_capture().layers}
+    for path_, slots in saved.items():
+        module = model.get_submodule(path_)
+        for name, slot in slots.items():
+            got = getattr(module, name)
+            assert got.dtype == slot.tensor.dtype and got.stride() == slot.tensor.stride(), f"{path_}.{name}"
+            assert torch.equal(got, slot.tensor), f"{path_}.{name}"
+            assert isinstance(got, torch.nn.Parameter) == (slot.kind == "parameter")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is made again
+    assert model.model.embed_tokens.weight is fresh_embedding  # vLLM's Parameter keeps its identity...
+    assert not fresh_embedding.requires_grad  # ...and takes the saved form
+    assert "cache" in model.model.norm._non_persistent_buffers_set
+
+
+def test_a_damaged_tensor_is_caught_by_its_hash_while_reading(checkpoint, tmp_path):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, d)
+    manifest, path = load_manifest(d)
+    tensor_path = check_files(manifest, path)
+    from tensorizer_manifest.tensor_file import read_index
+
+    entry = read_index(tensor_path)["model.layers.0.mlp.down_proj.weight"]
+    data = bytearray(tensor_path.read_bytes())
+    data[entry.data_offset + 3] ^= 0x01
+    tensor_path.write_bytes(bytes(data))
+    with TensorFileReader(tensor_path) as reader, pytest.raises(IntegrityError, match="content hash of"):
+        restore_tensors(_fresh_model(), manifest, reader)
+
+
+def test_check_model_names_every_difference_before_reading(checkpoint):
+    manifest, _ = load_manifest(checkpoint)
+    model = _fresh_model()
+    model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
+        torch.zeros(48, 16, dtype=torch.int8), requires_grad=False
+    )
+    model.extra = torch.nn.Linear(2, 2)
+    del model.model.norm
+    with pytest.raises(CompatibilityError) as info:
+        check_model(manifest, model)
+    message = str(info.value)
+    assert "down_proj.weight: saved int8[48, 32], this engine int8[48, 16]" in message
+    assert "extra: saved absent from the manifest" in message
+    assert "model.norm: saved recorded in the manifest, this engine absent from this model" in message

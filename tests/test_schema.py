@@ -1,0 +1,134 @@
+"""The manifest format: strict decoding with located errors, constraints, plain values, the JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tensorizer_manifest import schema
+from tensorizer_manifest.checkpoint import load_manifest
+from tensorizer_manifest.errors import ManifestError, ManifestVersionError
+from tensorizer_manifest.validate import validate_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+V1 = Path(__file__).parent / "fixtures" / "v1-checkpoint"
+
+
+def test_checked_in_json_schema_matches_the_types():
+    on_disk = json.loads((ROOT / "schemas" / "manifest-v1.schema.json").read_text())
+    assert on_disk == schema.json_schema(), "run `make schema` and commit schemas/"
+
+
+def test_published_schema_carries_the_constraints():
+    defs = schema.json_schema()["$defs"]
+    record = defs["TensorRecord"]["properties"]
+    assert record["hash"]["pattern"] == r"^blake3:[0-9a-f]{64}$"
+    assert record["shape"]["items"]["minimum"] == 0
+    assert "bfloat16" in record["dtype"]["enum"] and "object" not in record["dtype"]["enum"]
+
+
+def test_checked_in_v1_checkpoint_still_validates():
+    """Written by tensorizer-manifest 0.1.0 (format 1). Never regenerate it: it is the old reader's promise."""
+    manifest, _ = load_manifest(V1)
+    assert manifest.format_version == 1
+    report = validate_checkpoint(V1)
+    assert report.ok, report.problems
+    assert report.hashes_checked == 5
+
+
+def test_manifest_from_a_newer_format_is_refused_naming_both_versions():
+    with pytest.raises(ManifestVersionError, match=r"version 7 .* version 1"):
+        schema.decode_manifest(b'{"format_version": 7}')
+
+
+@pytest.mark.parametrize(
+    "data, gist",
+    [
+        (b"", "empty"),
+        (b"   \n", "empty"),
+        (b"{not json", "not valid JSON"),
+        (b"[]", "Expected `object`"),
+        (b'{"format_version": 1}', "missing required field"),
+        (b'{"format_version": 0}', r">= 1 - at `\$.format_version`"),
+    ],
+)
+def test_bad_manifest_bytes_raise_manifest_error(data, gist):
+    with pytest.raises(ManifestError, match=gist):
+        schema.decode_manifest(data)
+
+
+def _v1_doc() -> dict:
+    return json.loads((V1 / "model.manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "field, value, gist",
+    [
+        ("hash", "md5:1234", "matching regex"),
+        ("hash", "blake3:" + "A" * 64, "matching regex"),
+        ("shape", [-1, 4], ">= 0"),
+        ("stride", [4, -1], ">= 0"),
+        ("nbytes", -2, ">= 0"),
+        ("dtype", "object", "Invalid enum value 'object'"),
+    ],
+)
+def test_record_constraints_are_refused_at_decode_with_their_location(field, value, gist):
+    doc = _v1_doc()
+    doc["modules"][0]["tensors"][0][field] = value
+    with pytest.raises(ManifestError, match=gist) as info:
+        schema.decode_manifest(json.dumps(doc).encode())
+    assert f"$.modules[0].tensors[0].{field}" in str(info.value)
+    assert "re-save" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, (True, None)),
+        (3, (True, 3)),
+        (True, (True, True)),
+        ("column", (True, "column")),
+        ((1, 2), (True, [1, 2])),
+        (["gate", "up"], (True, ["gate", "up"])),
+        ([True, 1, 2.5, "x"], (True, [True, 1, 2.5, "x"])),
+        ([[1, 2]], (False, None)),
+        ({"a": 1}, (False, None)),
+        (print, (False, None)),
+    ],
+)
+def test_plain_value_is_the_one_definition(value, expected):
+    assert schema.plain_value(value) == expected
+
+
+def test_every_plain_value_survives_a_manifest_round_trip():
+    doc = _v1_doc()
+    attrs = {"names": ["gate_proj", "up_proj"], "flags": [True, False], "mixed": [1, 2.5], "n": 3, "s": "x"}
+    doc["modules"][0]["tensors"][0]["param_attrs"] = attrs
+    manifest = schema.decode_manifest(json.dumps(doc).encode())
+    again = schema.decode_manifest(schema.encode_manifest(manifest))
+    assert again.modules[0].tensors[0].param_attrs == attrs
+
+
+def test_dtype_tables_agree():
+    from typing import get_args
+
+    assert set(schema.DTYPE_ITEMSIZE) == set(get_args(schema.DType))
+
+
+def test_digest_binds_every_records_form():
+    manifest = schema.decode_manifest((V1 / "model.manifest.json").read_bytes())
+    records = manifest.ordered_records()
+    assert schema.digest_records(records) == manifest.tensor_file.digest
+    name, record = records[0]
+    changed = msgspec.structs.replace(record, stride=[*record.stride[:-1], record.stride[-1] + 1])
+    assert schema.digest_records([(name, changed), *records[1:]]) != manifest.tensor_file.digest
+
+
+def test_full_name_and_qualified_class():
+    assert schema.full_name("", "weight") == "weight"
+    assert schema.full_name("model.norm", "weight") == "model.norm.weight"
+    assert schema.qualified_class(ValueError) == "builtins.ValueError"
+    assert schema.qualified_class(Path("x")).startswith("pathlib.")

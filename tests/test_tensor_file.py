@@ -1,0 +1,76 @@
+"""The tensor file through tensorizer: round trip, the index, the head hash, the reader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorizer_manifest.errors import IntegrityError
+from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index, write_tensor_file
+from tensorizer_manifest.tensors import hash_tensor
+
+TENSORS = {
+    "a": torch.randn(3, 5).to(torch.bfloat16),
+    "b": torch.randint(-100, 100, (4, 4), dtype=torch.int8),
+    "c": torch.tensor([1.5], dtype=torch.float32),
+    "d": torch.arange(6, dtype=torch.int32),
+}
+
+
+@pytest.fixture
+def tensor_path(tmp_path):
+    path = tmp_path / "x.tensors"
+    write_tensor_file(path, TENSORS.items())
+    return path
+
+
+def test_round_trip_keeps_dtypes_and_bytes(tensor_path):
+    with TensorFileReader(tensor_path) as reader:
+        assert reader.keys == set(TENSORS)
+        for key, tensor in TENSORS.items():
+            got = reader.read(key)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor)
+            assert hash_tensor(got) == hash_tensor(tensor)
+
+
+def test_non_contiguous_tensors_are_written_contiguous(tmp_path):
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    write_tensor_file(tmp_path / "t.tensors", [("t", t)])
+    with TensorFileReader(tmp_path / "t.tensors") as reader:
+        assert torch.equal(reader.read("t"), t)
+
+
+def test_index_describes_every_tensor_without_reading_data(tensor_path):
+    index = read_index(tensor_path)
+    assert set(index) == set(TENSORS)
+    size = tensor_path.stat().st_size
+    for key, tensor in TENSORS.items():
+        entry = index[key]
+        assert entry.dtype == str(tensor.dtype).removeprefix("torch.")
+        assert entry.shape == list(tensor.shape)
+        assert entry.data_length == tensor.numel() * tensor.element_size()
+        assert entry.header_offset < entry.data_offset and entry.data_offset + entry.data_length <= size
+
+
+def test_head_hash_covers_headers_but_not_data(tensor_path):
+    before = head_hash(tensor_path)
+    entry = read_index(tensor_path)["a"]
+    data = bytearray(tensor_path.read_bytes())
+    data[entry.data_offset] ^= 0xFF  # tensor data: the content hash's job, not the head hash's
+    tensor_path.write_bytes(bytes(data))
+    assert head_hash(tensor_path) == before
+    data[entry.header_offset + 8] ^= 0xFF  # tensorizer's own per-tensor header
+    tensor_path.write_bytes(bytes(data))
+    assert head_hash(tensor_path) != before
+
+
+def test_reader_names_a_missing_key(tensor_path):
+    with TensorFileReader(tensor_path) as reader, pytest.raises(IntegrityError, match="'nope' named in the manifest"):
+        reader.read("nope")
+
+
+def test_reader_refuses_a_file_that_is_not_tensorizer(tmp_path):
+    path = tmp_path / "garbage.tensors"
+    path.write_bytes(b"\0" * 4096)
+    with pytest.raises(IntegrityError, match="tensorizer cannot open the file"):
+        TensorFileReader(path)

@@ -1,0 +1,33 @@
+"""The loader's options (pydantic) and the plugin entry point, without starting an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorizer_manifest.errors import ConfigurationError
+
+pytest.importorskip("vllm")
+
+
+def test_loader_options_are_validated():
+    from tensorizer_manifest.vllm_integration import LoadOptions
+
+    class LoadConfig:
+        model_loader_extra_config = {"verify_hashes": "no"}
+
+    assert LoadOptions.from_load_config(LoadConfig()).verify_hashes is False
+    LoadConfig.model_loader_extra_config = {"verfy_hashes": False}
+    with pytest.raises(ConfigurationError, match="verfy_hashes"):
+        LoadOptions.from_load_config(LoadConfig())
+
+
+def test_plugin_registers_both_load_formats_once():
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: F401  (public API)
+
+    from tensorizer_manifest import _vllm_compat
+    from tensorizer_manifest._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
+    from tensorizer_manifest.vllm_integration import CaptureModelLoader, ManifestModelLoader, register
+
+    register()
+    assert not _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
+    assert not _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
