@@ -60,6 +60,11 @@ DEMO_PROMPTS = [
 ]
 
 
+def engine_args(kind: TinyKind) -> dict:
+    """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache)."""
+    return {"kv_cache_dtype": "fp8"} if kind == "kv-fp8-calibrated" else {}
+
+
 def _build_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -18,8 +18,15 @@ from safetensors.torch import load_file
 from tensorizer_manifest import tiny
 
 GROUP = tiny.INT4_GROUP_SIZE
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 #: vLLM's auto_awq._REVERSE_AWQ_PACK_ORDER: value j of 8 sits at nibble REVERSE[j].
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -68,8 +75,15 @@ def test_gptq_w4_is_a_gptq_v1_checkpoint_that_dequantizes_to_the_weights(tmp_pat
     config, state = build(tmp_path, "gptq-w4")
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["quantization_config"] == {
-        "quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
-        "static_groups": False, "true_sequential": True, "damp_percent": 0.01, "lm_head": False,
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+        "sym": True,
+        "static_groups": False,
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "lm_head": False,
         "checkpoint_format": "gptq",
     }
     original = tiny.unquantized_state_dict("gptq-w4")
@@ -99,7 +113,11 @@ def test_awq_w4_is_an_autoawq_gemm_checkpoint_that_dequantizes_to_the_weights(tm
     assert config["head_dim"] == 64 and config["tie_word_embeddings"] is False
     quant = config["quantization_config"]
     assert {k: quant[k] for k in ("quant_method", "bits", "group_size", "zero_point", "version")} == {
-        "quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP,
+        "zero_point": True,
+        "version": "gemm",
     }
     original = tiny.unquantized_state_dict("awq-w4")
     asymmetric = False
@@ -136,7 +154,12 @@ def test_ct_w4a16_is_pack_quantized_and_dequantizes_to_the_weights(tmp_path):
     assert group["targets"] == ["Linear"] and group["input_activations"] is None
     weights = group["weights"]
     assert {k: weights[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")} == {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP, "dynamic": False,
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": GROUP,
+        "dynamic": False,
     }
     original = tiny.unquantized_state_dict("ct-w4a16")
     for prefix in linear_prefixes(config):
@@ -203,8 +226,13 @@ def test_kv_fp8_calibrated_has_kv_cache_scheme_and_calibrated_scales(tmp_path):
     assert head_dim % 32 == 0  # CPU fp8 KV cache
     quant = config["quantization_config"]
     assert quant["quant_method"] == "compressed-tensors" and quant["config_groups"] == {}
-    assert quant["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
-                                        "dynamic": False}
+    assert quant["kv_cache_scheme"] == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "tensor",
+        "dynamic": False,
+    }
     original = tiny.unquantized_state_dict("kv-fp8-calibrated")
     scale_names = {n for n in state if n.endswith(("k_scale", "v_scale"))}
     layers = config["num_hidden_layers"]

@@ -32,7 +32,7 @@ def main() -> None:
 
     from tensorizer_manifest.demo import generate_tokens
     from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.tiny import build_tiny_model, engine_args
 
     if args.fallback:
         apply_cpu_gemm("fallback")
@@ -57,11 +57,11 @@ def main() -> None:
             }
 
         base_loader.process_weights_after_loading = keep
-    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(model_dir, "auto")
+    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(model_dir, "auto", **engine_args(args.kind))
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
 
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128)
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine_args(args.kind))
 
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
@@ -116,7 +116,7 @@ def main() -> None:
             return report
 
         replay_module.replay_model = tag_then_replay
-    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest")
+    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest", **engine_args(args.kind))
 
     from tensorizer_manifest.checkpoint import load_manifest
 
