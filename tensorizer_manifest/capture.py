@@ -21,6 +21,7 @@ from .layers import (
     describe,
     diff_snapshots,
     has_post_load,
+    owned_quant_methods,
     refuse_model_level_hook,
     snapshot_module,
 )
@@ -102,12 +103,17 @@ class Recorder:
         self._clones: dict[int, torch.Tensor] = {}
         self.before = {
             path: snapshot_module(module, self._clones if has_post_load(module) else None)
-            for path, module in model.named_modules()
+            for path, module in self._layers()
         }
+
+    def _layers(self):
+        """Every module but quant methods that are modules themselves: their state is their layer's."""
+        owned = owned_quant_methods(self.model)
+        return [(path, module) for path, module in self.model.named_modules() if id(module) not in owned]
 
     def finish(self, fingerprint: Fingerprint) -> Capture:
         layers = []
-        for path, module in self.model.named_modules():
+        for path, module in self._layers():
             after = snapshot_module(module, None)
             before = self.before.get(path)
             if before is None:

@@ -91,12 +91,30 @@ def find_kernels(module: torch.nn.Module) -> list[KernelRecord]:
     return kernels
 
 
-def owner_attrs(owner_name: str, owner: Any) -> dict[str, Any]:
+def owner_attrs(owner: Any) -> dict[str, Any]:
+    """An owner's attributes, less ``nn.Module`` bookkeeping (vLLM's MoE quant method is a module too)."""
     attrs = dict(vars(owner))
-    if owner_name == "layer":
+    if isinstance(owner, torch.nn.Module):
         for key in _MODULE_INTERNALS:
             attrs.pop(key, None)
     return attrs
+
+
+def owned_quant_methods(model: torch.nn.Module) -> set[int]:
+    """``id`` of every quant method that is itself an ``nn.Module`` without tensors of its own.
+
+    vLLM's fused-MoE quant methods are ``CustomOp`` modules registered under
+    their layer (``experts.quant_method``); their state belongs to that layer
+    (``owners_of``), not to a layer of their own.
+    """
+    owned = set()
+    for module in model.modules():
+        quant_method = module.__dict__.get("_modules", {}).get("quant_method")
+        if isinstance(quant_method, torch.nn.Module) and not any(True for _ in quant_method.parameters()) and not any(
+            True for _ in quant_method.buffers()
+        ):
+            owned.add(id(quant_method))
+    return owned
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str, bool]]:
@@ -185,7 +203,7 @@ def snapshot_module(module: torch.nn.Module, clones: dict[int, torch.Tensor] | N
                 kept = _clone_like(tensor)
                 clones[id(tensor)] = kept
         tensors[name] = TensorSlot(kept, kind, persistent, identity)
-    attrs = {owner_name: owner_attrs(owner_name, owner) for owner_name, owner in owners_of(module).items()}
+    attrs = {owner_name: owner_attrs(owner) for owner_name, owner in owners_of(module).items()}
     return ModuleSnapshot(tensors, attrs, find_kernels(module))
 
 

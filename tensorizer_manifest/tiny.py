@@ -4,16 +4,43 @@ No hub: a transformers config with random weights (fixed seed) saved as
 safetensors, plus a byte-level BPE tokenizer trained on a few sentences. The
 weights are drawn from normal(0, 0.05) so that greedy decoding is not
 degenerate and different loaders would visibly disagree.
+
+Quantized kinds are written by hand in the layout of real checkpoints (GPTQ,
+AutoAWQ GEMM, compressed-tensors), quantized round-to-nearest from the same
+random weights, so their outputs stay close to the unquantized model's.
+Every kind fits vLLM's CPU kernels: hidden, intermediate and head sizes are
+multiples of 32 (the CPU WNA16, MoE and fp8 KV cache paths require it).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-TinyKind = Literal["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias"]
-TINY_KINDS: tuple[TinyKind, ...] = ("llama", "qwen3-tied", "w8a8-int8", "qwen2-bias")
+if TYPE_CHECKING:
+    import torch
+
+TinyKind = Literal[
+    "llama",
+    "qwen3-tied",
+    "w8a8-int8",
+    "qwen2-bias",
+    "gptq-w4",  # Llama, GPTQ 4-bit symmetric (uint4b8), desc_act false
+    "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
+    "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
+    "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
+    "kv-fp8-calibrated",  # Llama, bf16 weights, compressed-tensors fp8 kv_cache_scheme with calibrated scales
+]
+TINY_KINDS: tuple[TinyKind, ...] = get_args(TinyKind)
+
+#: Input columns per scale in the 4-bit kinds (K = 256 or 512: 8 or 16 groups).
+INT4_GROUP_SIZE = 32
+#: Largest finite float8_e4m3fn value: a calibrated KV scale maps the observed amax onto it.
+FP8_E4M3_MAX = 448.0
+
+_VOCAB_SIZE = 1024
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -31,6 +58,11 @@ DEMO_PROMPTS = [
     "Tensorizer streams tensors from disk into memory while vLLM serves models",
     "Once upon a time there was a manifest that described every single layer",
 ]
+
+
+def engine_args(kind: TinyKind) -> dict:
+    """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache)."""
+    return {"kv_cache_dtype": "fp8"} if kind == "kv-fp8-calibrated" else {}
 
 
 def _build_tokenizer(out: Path, vocab_size: int) -> None:
@@ -68,17 +100,63 @@ def _config(kind: TinyKind, vocab_size: int):
         eos_token_id=0,
         torch_dtype="bfloat16",
     )
-    if kind == "qwen3-tied":
+    if kind in ("qwen3-tied", "awq-w4"):
         from transformers import Qwen3Config
 
-        return Qwen3Config(head_dim=64, tie_word_embeddings=True, **common)
+        return Qwen3Config(head_dim=64, tie_word_embeddings=kind == "qwen3-tied", **common)
     if kind == "qwen2-bias":  # q/k/v projections with biases
         from transformers import Qwen2Config
 
         return Qwen2Config(tie_word_embeddings=False, **common)
+    if kind == "qwen3-moe":  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            head_dim=64,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
     from transformers import LlamaConfig
 
     return LlamaConfig(tie_word_embeddings=False, **common)
+
+
+def _random_model(kind: TinyKind, vocab_size: int, seed: int):
+    """The transformers model of ``kind`` with every matrix drawn from normal(0, 0.05)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config(kind, vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.05)
+    config.architectures = [type(model).__name__]
+    return model
+
+
+def unquantized_state_dict(kind: TinyKind = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
+    """The bf16 weights a kind starts from, before quantization or renaming.
+
+    ``build_tiny_model`` quantizes exactly these, so tests can check that the
+    dequantized checkpoint reproduces them.
+    """
+    model = _random_model(kind, _VOCAB_SIZE, seed)
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+def _is_decoder_linear(name: str) -> bool:
+    """A dense decoder linear weight (``...self_attn.q_proj.weight``, ``...mlp.down_proj.weight``)."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[2] == "weight" and parts[1] in _DECODER_LINEARS
 
 
 def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
@@ -89,11 +167,9 @@ def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
     """
     import torch
 
-    linear_suffixes = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     out = {}
     for name, tensor in state.items():
-        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if name.endswith(".weight") and module in linear_suffixes:
+        if _is_decoder_linear(name):
             w = tensor.float()
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
             out[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
@@ -127,15 +203,268 @@ def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
     return out, quant_config
 
 
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit codes for a ``[N, K]`` weight, one scale per ``group_size`` input columns.
+
+    Returns ``(codes, scales, zeros)``: codes in 0..15 of shape ``[N, K]`` (int32),
+    scales ``[N, K / group_size]`` in ``scale_dtype`` and integer zero points of the
+    same shape, with ``weight ~= (codes - zero) * scale``. Symmetric uses zero 8 and
+    scale amax / 7.5, as GPTQ (uint4b8) and compressed-tensors do; asymmetric maps
+    [min, max] onto 0..15 as AutoAWQ does. Codes are computed against the scale
+    stored in the checkpoint (``scale_dtype``), so every weight is within half a
+    step of its dequantized value.
+    """
+    import torch
+
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scale = (w.abs().amax(dim=-1) / 7.5).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        w_max, w_min = w.amax(dim=-1), w.amin(dim=-1)
+        scale = ((w_max - w_min) / 15.0).clamp(min=1e-5)
+    scale = _round_up(scale, scale_dtype).float()
+    if not symmetric:
+        zero = torch.clamp(torch.round(-w_min / scale), 0, 15)
+    codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
+    return codes.reshape(n, k).to(torch.int32), scale.to(scale_dtype), zero.to(torch.int32)
+
+
+def _round_up(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Positive float32 ``values`` cast to a 16-bit float ``dtype``, never rounded down.
+
+    A scale rounded down would push the group's extreme weights just past the last
+    4-bit code (clamped: more than half a step of error); one ulp up avoids that.
+    """
+    import torch
+
+    cast = values.to(dtype)
+    next_up = (cast.view(torch.int16) + 1).view(dtype)  # next representable value, for positive finite floats
+    return torch.where(cast.float() < values, next_up, cast)
+
+
+#: AutoAWQ's nibble order: bits 4i..4i+3 of each int32 hold the value at index _AWQ_ORDER[i] of its 8.
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_int4(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Pack eight 4-bit codes along ``dim`` into one int32: bits 4i..4i+3 hold code ``order[i]``.
+
+    GPTQ and compressed-tensors use the plain order; AutoAWQ interleaves (``_AWQ_ORDER``).
+    """
+    import torch
+
+    moved = codes.movedim(dim, -1).to(torch.int64)
+    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 8, 8)[..., list(order)]
+    packed = (groups << torch.arange(0, 32, 4, dtype=torch.int64)).sum(dim=-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
+    return packed.movedim(-1, dim).contiguous()
+
+
+def _quantize_gptq(state: dict, group_size: int) -> tuple[dict, dict]:
+    """GPTQ checkpoint layout (AutoGPTQ/GPTQModel, format v1), 4-bit symmetric, desc_act false.
+
+    Each decoder linear ``[N, K]`` becomes ``qweight`` ``[K/8, N]`` int32 packed along K,
+    ``scales`` ``[K/g, N]`` fp16, ``qzeros`` ``[K/g, N/8]`` int32 holding zero - 1 = 7 (the v1
+    convention; vLLM's uint4b8 kernels assume zero 8 and drop them) and ``g_idx`` ``[K]``
+    int32 = k // g (trivial without act-order; vLLM discards it on load).
+    """
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not _is_decoder_linear(name):
+            out[name] = tensor
+            continue
+        prefix = name[: -len("weight")]
+        codes, scales, zeros = quantize_int4(tensor, group_size, symmetric=True, scale_dtype=torch.float16)
+        out[prefix + "qweight"] = pack_int4(codes.t(), dim=0)
+        out[prefix + "qzeros"] = pack_int4((zeros - 1).t(), dim=1)
+        out[prefix + "scales"] = scales.t().contiguous()
+        out[prefix + "g_idx"] = torch.arange(tensor.shape[1], dtype=torch.int32) // group_size
+    quant_config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": True,
+        "static_groups": False,
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "lm_head": False,
+        "checkpoint_format": "gptq",
+    }
+    return out, quant_config
+
+
+def _quantize_awq(state: dict, group_size: int) -> tuple[dict, dict]:
+    """AutoAWQ GEMM checkpoint layout, 4-bit with zero points.
+
+    Each decoder linear ``[N, K]`` becomes ``qweight`` ``[K, N/8]`` int32 packed along N in
+    AWQ's interleaved nibble order, ``qzeros`` ``[K/g, N/8]`` packed the same way and
+    ``scales`` ``[K/g, N]`` fp16, with ``w = (q - zero) * scale``. (No activation-aware
+    scaling: with random weights there is no calibration data to be aware of.)
+    """
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not _is_decoder_linear(name):
+            out[name] = tensor
+            continue
+        prefix = name[: -len("weight")]
+        codes, scales, zeros = quantize_int4(tensor, group_size, symmetric=False, scale_dtype=torch.float16)
+        out[prefix + "qweight"] = pack_int4(codes.t(), dim=1, order=_AWQ_ORDER)
+        out[prefix + "qzeros"] = pack_int4(zeros.t(), dim=1, order=_AWQ_ORDER)
+        out[prefix + "scales"] = scales.t().contiguous()
+    quant_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    return out, quant_config
+
+
+def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
+    """compressed-tensors "pack-quantized" layout, 4-bit symmetric group weights, bf16 activations.
+
+    Each decoder linear ``[N, K]`` becomes ``weight_packed`` ``[N, K/8]`` int32 packed along K
+    (signed codes offset by +8, plain nibble order, as compressed-tensors' ``pack_to_int32``),
+    ``weight_scale`` ``[N, K/g]`` bf16 and ``weight_shape`` = ``[N, K]`` int64.
+    """
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not _is_decoder_linear(name):
+            out[name] = tensor
+            continue
+        prefix = name[: -len("weight")]
+        codes, scales, _ = quantize_int4(tensor, group_size, symmetric=True, scale_dtype=torch.bfloat16)
+        out[prefix + "weight_packed"] = pack_int4(codes, dim=1)
+        out[prefix + "weight_scale"] = scales.contiguous()
+        out[prefix + "weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
+    quant_config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "dynamic": False,
+                    "actorder": None,
+                    "observer": "minmax",
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    return out, quant_config
+
+
+def _unfuse_moe_experts(state: dict) -> dict:
+    """Per-expert tensors ``mlp.experts.{i}.{gate,up,down}_proj.weight``, as hub Qwen3-MoE checkpoints have.
+
+    transformers 5 holds the experts fused (``experts.gate_up_proj`` ``[E, 2I, H]``, gate
+    rows first, and ``experts.down_proj`` ``[E, H, I]``); vLLM 0.32 loads the per-expert
+    names into its fused ``w13_weight``/``w2_weight``. The values are unchanged.
+    """
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            gate, up = tensor.chunk(2, dim=1)
+            for i in range(tensor.shape[0]):
+                out[f"{base}{i}.gate_proj.weight"] = gate[i].contiguous()
+                out[f"{base}{i}.up_proj.weight"] = up[i].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for i in range(tensor.shape[0]):
+                out[f"{base}{i}.down_proj.weight"] = tensor[i].contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+def _calibrate_kv_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
+    """Per-tensor fp8 KV-cache scales from the model's own keys and values on the corpus.
+
+    Runs the transformers model on the tiny corpus and the demo prompts, takes the
+    largest key and value magnitude per layer and maps it onto the fp8 e4m3 range
+    (scale = amax / 448, what llm-compressor's static minmax observer does). Keys are
+    cached after RoPE, which rotates pairs (i, i + d/2); the pair norm bounds every
+    rotated value, so it is used as the key amax. Stored as ``self_attn.k_scale`` /
+    ``v_scale`` ``[1]`` float32, the names llm-compressor writes and vLLM maps to
+    ``self_attn.attn.k_scale``.
+    """
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    amax: dict[str, float] = {}
+
+    def observe(name: str, is_key: bool):
+        def hook(_module, _inputs, output):
+            x = output.float().reshape(*output.shape[:-1], -1, head_dim)
+            if is_key:
+                x = torch.hypot(x[..., : head_dim // 2], x[..., head_dim // 2 :])
+            amax[name] = max(amax.get(name, 0.0), x.abs().max().item())
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}.self_attn."
+        handles.append(layer.self_attn.k_proj.register_forward_hook(observe(prefix + "k_scale", True)))
+        handles.append(layer.self_attn.v_proj.register_forward_hook(observe(prefix + "v_scale", False)))
+    try:
+        with torch.no_grad():
+            for text in _CORPUS + DEMO_PROMPTS:
+                model(**tokenizer(text, return_tensors="pt"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.tensor([value / FP8_E4M3_MAX], dtype=torch.float32) for name, value in amax.items()}
+
+
+_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+
+
+def _kv_fp8_quant_config() -> dict:
+    """compressed-tensors config with only a ``kv_cache_scheme``: weights stay bf16 (no config groups)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "quantization_status": "compressed",
+        "config_groups": {},
+        "kv_cache_scheme": dict(_KV_CACHE_SCHEME),
+        "ignore": ["lm_head"],
+    }
+
+
 def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 0) -> Path:
     """Write a tiny Hugging Face model directory vLLM can load with no network.
 
     Idempotent: an existing complete directory is reused, so tests and the
     demo can cache it.
     """
-    import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     if kind not in TINY_KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
@@ -144,22 +473,28 @@ def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 
     if done_marker.exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = 1024
-    _build_tokenizer(out, vocab_size)
-    config = _config(kind, vocab_size)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.05)
-    config.architectures = [type(model).__name__]
+    _build_tokenizer(out, _VOCAB_SIZE)
+    model = _random_model(kind, _VOCAB_SIZE, seed)
+    config = model.config
     config.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    quant_config = None
     if kind == "w8a8-int8":
         state, quant_config = _quantize_w8a8(state)
+    elif kind == "gptq-w4":
+        state, quant_config = _quantize_gptq(state, INT4_GROUP_SIZE)
+    elif kind == "awq-w4":
+        state, quant_config = _quantize_awq(state, INT4_GROUP_SIZE)
+    elif kind == "ct-w4a16":
+        state, quant_config = _quantize_ct_w4a16(state, INT4_GROUP_SIZE)
+    elif kind == "qwen3-moe":
+        state = _unfuse_moe_experts(state)
+    elif kind == "kv-fp8-calibrated":
+        state.update(_calibrate_kv_scales(model, out))
+        quant_config = _kv_fp8_quant_config()
+    if quant_config is not None:
         config_path = out / "config.json"
         config_json = json.loads(config_path.read_text())
         config_json["quantization_config"] = quant_config

@@ -13,7 +13,8 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-KINDS = ["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias"]
+KINDS = ["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias", "gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe",
+         "kv-fp8-calibrated"]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -49,6 +50,27 @@ def test_post_load_runs_once_per_raw_layer_and_never_on_processed(scenarios, kin
     reported = {tuple(entry.rsplit(":", 1)[::-1]) for entry in result["report"]["post_load"]}
     counted = {tuple(key.split(":", 1)) for key in counts}
     assert reported == counted
+
+
+def test_moe_model_saves_and_its_experts_replay_once(scenarios):
+    """vLLM's fused-MoE quant method is itself a module inside the layer: it is part of its layer's state."""
+    result = scenarios.e2e("qwen3-moe")
+    experts = {p: layer for p, layer in result["layers"].items() if p.endswith(".experts.routed_experts")}
+    assert experts and not any(p.endswith(".quant_method") for p in result["layers"])
+    assert all(layer["quant_method"].endswith("UnquantizedFusedMoEMethod") for layer in experts.values())
+    assert result["manifest_tokens"] == result["reference_tokens"]
+
+
+def test_calibrated_kv_scales_come_back_and_are_never_recomputed(scenarios):
+    """Running vLLM's KV-cache step again would reset calibrated scales to 1.0: replay restores them instead."""
+    result = scenarios.e2e("kv-fp8-calibrated")
+    scales = result["kv_scales"]
+    assert scales and all(s["loaded"] == s["reference"] for s in scales.values()), scales
+    assert all(value != 1.0 for s in scales.values() for value in s["reference"]), scales
+    attention = {p for p, layer in result["layers"].items() if p.endswith(".attn")}
+    assert attention and all(result["layers"][p]["state"] == "processed" for p in attention)
+    assert not any(key.split(":", 1)[1] in attention for key in result["post_load_counts"])
+    assert result["manifest_tokens"] == result["reference_tokens"]
 
 
 def test_w8a8_int8_linear_layers_are_raw(scenarios):

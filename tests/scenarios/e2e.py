@@ -19,6 +19,15 @@ import os
 import sys
 
 
+def kv_scale_floats(model) -> dict[str, list[float]]:
+    """The plain floats attention kernels read (``_k_scale_float``, ``_v_scale_float``), per layer."""
+    return {
+        path: [module._k_scale_float, module._v_scale_float]
+        for path, module in model.named_modules()
+        if hasattr(module, "_k_scale_float")
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind")
@@ -32,7 +41,7 @@ def main() -> None:
 
     from tensorizer_manifest.demo import generate_tokens
     from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.tiny import build_tiny_model, engine_args
 
     if args.fallback:
         apply_cpu_gemm("fallback")
@@ -55,13 +64,16 @@ def main() -> None:
                 for name, t in list(module._parameters.items()) + list(module._buffers.items())
                 if t is not None
             }
+            captured["ref_kv_scales"] = kv_scale_floats(model)
 
         base_loader.process_weights_after_loading = keep
-    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(model_dir, "auto")
+    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(
+        model_dir, "auto", **engine_args(args.kind)
+    )
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
 
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128)
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine_args(args.kind))
 
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
@@ -119,10 +131,11 @@ def main() -> None:
                     if t is not None:
                         loaded[f"{path}.{name}" if path else name] = t.detach().clone()
             captured["report"] = report.to_dict()
+            captured["kv_scales"] = kv_scale_floats(self.model)
             return report
 
         Replayer.__init__, Replayer.finish = tagging_init, keeping_finish
-    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest")
+    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest", **engine_args(args.kind))
 
     from tensorizer_manifest.checkpoint import load_manifest
 
@@ -136,6 +149,10 @@ def main() -> None:
     else:
         result["post_load_counts"] = {f"{label}:{path}": n for (label, path), n in counts.items()}
         result["report"] = captured.get("report")
+        result["kv_scales"] = {
+            path: {"reference": ref, "loaded": captured["kv_scales"].get(path)}
+            for path, ref in captured["ref_kv_scales"].items()
+        }
         mismatches = []
         compared = 0
         for m in manifest.modules:
