@@ -129,26 +129,3 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
         assert outcome["tokens"] is None, f"{case}: tokens were served from a damaged checkpoint"
         assert outcome["error"] == case.error, (case.name, outcome)
         assert re.search(case.gist, outcome["message"]), (case.name, outcome["message"])
-
-
-@pytest.mark.e2e
-def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
-    from helpers.bad_inputs import MODEL_BAD_INPUTS
-
-    case = next(c for c in MODEL_BAD_INPUTS if c.name == "renamed-kernel")
-    d = tmp_path / "ckpt"
-    shutil.copytree(scenarios.e2e("llama")["checkpoint"], d)
-    case.mutate(d)
-    offline = subprocess.run(
-        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True
-    )
-    assert offline.returncode == 0, offline.stderr  # the files are fine
-    proc = subprocess.run(
-        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--engine", "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
-    assert [p["error"] for p in doc["problems"]] == ["CompatibilityError"]
-    assert "layer.impl" in doc["problems"][0]["message"]
