@@ -116,3 +116,18 @@ def test_every_module_has_a_docstring_and_a_place_in_the_design_map():
         is_restorer = shown.startswith("restorers/") and shown != "restorers/base.py"  # listed by `kernels`
         if shown != "." and not is_restorer:
             assert f"`{shown}" in design, f"docs/design.md does not list {shown}"
+
+
+def test_every_module_with_logic_has_its_own_test_file():
+    tests = ROOT / "tests"
+    shared = {"tensorizer_manifest": "test_api", "tensorizer_manifest.errors": "test_api",
+              "tensorizer_manifest._constants": "test_api"}  # fmt: skip
+    missing = []
+    for name in MODULES:
+        if name.startswith("tensorizer_manifest.restorers"):
+            expected = "test_restorers"
+        else:
+            expected = shared.get(name, "test_" + name.rsplit(".", 1)[-1].lstrip("_"))
+        if not (tests / f"{expected}.py").is_file():
+            missing.append(f"{name} -> tests/{expected}.py")
+    assert not missing, missing
