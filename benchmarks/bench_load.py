@@ -282,6 +282,9 @@ def summarise(size: str, runs: list[dict]) -> dict:
             "peak_rss_mb": spread([r["peak_rss_mb"] for r in rs]),
             "failed": sum("error" in r for r in rs),
         }
+        errors = [r["error"] for r in rs if "error" in r]
+        if errors:
+            row["error"] = errors[0]
         if path.startswith("manifest"):
             laps = [r["report"]["seconds"] for r in rs]
             for lap in laps[0]:
@@ -315,7 +318,9 @@ def print_summary(summary: dict) -> None:
         print(f"  {path:<20} LLM() {fmt(row['llm_seconds'])}  load_model {fmt(row['load_model'])}  "
               f"peak RSS {fmt(row['peak_rss_mb'], 'MB')}{failed}")  # fmt: skip
         for key, value in row.items():
-            if key not in ("llm_seconds", "load_model", "peak_rss_mb", "failed"):
+            if key == "error":
+                print(f"      fails with: {value}")
+            elif key not in ("llm_seconds", "load_model", "peak_rss_mb", "failed"):
                 print(f"      {key:<28} {fmt(value)}")
     for name, value in summary["ratios"].items():
         print(f"  ratio {name:<52} {fmt(value, 'x')}")
@@ -333,12 +338,19 @@ def plot(summaries: list[dict], refs: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4.2), squeeze=False)
     for ax, summary in zip(axes[0], summaries, strict=True):
         paths = [p for p in PATHS if p in summary["paths"]]
-        med = [summary["paths"][p]["load_model"]["median"] for p in paths]
-        low = [m - summary["paths"][p]["load_model"]["min"] for p, m in zip(paths, med, strict=True)]
-        high = [summary["paths"][p]["load_model"]["max"] - m for p, m in zip(paths, med, strict=True)]
-        ax.bar(range(len(paths)), med, yerr=[low, high], capsize=4,
-               color=["#888", "#2a7", "#aaa", "#195", "#c44"][: len(paths)])  # fmt: skip
-        ax.set_xticks(range(len(paths)), paths, rotation=30, ha="right", fontsize=8)
+        # A path that fails has no load_model: its bar is the time until LLM() failed, hatched.
+        figures = [summary["paths"][p]["llm_seconds" if summary["paths"][p]["failed"] else "load_model"] for p in paths]
+        med = [f["median"] for f in figures]
+        low = [f["median"] - f["min"] for f in figures]
+        high = [f["max"] - f["median"] for f in figures]
+        colors = {"default": "#888", "default-fallback": "#aaa", "manifest-mixed": "#2a7",
+                  "manifest-processed": "#195", "tensorizer": "#c44"}  # fmt: skip
+        bars = ax.bar(range(len(paths)), med, yerr=[low, high], capsize=4, color=[colors[p] for p in paths])
+        for bar, p in zip(bars, paths, strict=True):
+            if summary["paths"][p]["failed"]:
+                bar.set_hatch("//")
+        labels = [p + (" (fails)" if summary["paths"][p]["failed"] else "") for p in paths]
+        ax.set_xticks(range(len(paths)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{summary['size']}: load_model (median, min-max)")
         ax.set_ylabel("seconds")
         if summary["size"] == "large" and refs:
@@ -359,7 +371,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "load.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "load.png")
+    parser.add_argument("--replot", action="store_true", help="only draw --plot again from the results in --out")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.out.read_text())
+        plot(saved["sizes"], saved["references"], args.plot)
+        return
     import platform
 
     import torch
