@@ -110,9 +110,7 @@ def owned_quant_methods(model: torch.nn.Module) -> set[int]:
     owned = set()
     for module in model.modules():
         quant_method = module.__dict__.get("_modules", {}).get("quant_method")
-        if isinstance(quant_method, torch.nn.Module) and not any(True for _ in quant_method.parameters()) and not any(
-            True for _ in quant_method.buffers()
-        ):
+        if isinstance(quant_method, torch.nn.Module) and not module_tensors(quant_method):
             owned.add(id(quant_method))
     return owned
 
