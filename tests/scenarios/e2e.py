@@ -84,6 +84,7 @@ def main() -> None:
         from tensorizer_manifest import replay as replay_module
 
         patched = []
+        active: set[int] = set()
 
         # Count the real post-load entry points of every quant method class in vLLM, and attention.
         def patch(cls, label):
@@ -92,8 +93,16 @@ def main() -> None:
                 return
 
             def counting(self, layer, *a, __fn=fn, **k):
-                counts[(label, getattr(layer, "_tm_path", "?"))] += 1
-                return __fn(self, layer, *a, **k)
+                # One call per layer however deep the class chain goes (a method calling super() counts once).
+                outermost = id(layer) not in active
+                if outermost:
+                    counts[(label, getattr(layer, "_tm_path", "?"))] += 1
+                    active.add(id(layer))
+                try:
+                    return __fn(self, layer, *a, **k)
+                finally:
+                    if outermost:
+                        active.discard(id(layer))
 
             cls.process_weights_after_loading = counting
             patched.append((cls, fn))
