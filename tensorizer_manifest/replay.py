@@ -80,7 +80,9 @@ class Replayer:
     def layer_ready(self, record: ModuleRecord, module: torch.nn.Module, check_hashes: Callable[[str], None]) -> None:
         """Called once a layer's tensors are in place; ``check_hashes(path)`` waits for their hashes."""
         if record.path in self._early:
-            check_hashes(record.path)  # nothing may change a tensor in place before its hash is checked
+            restorer = RESTORERS.get(record.replay)
+            if record.state == "raw" or restorer is None or restorer.writes_tensors:
+                check_hashes(record.path)  # nothing may change a tensor in place before its hash is checked
             self._step(record.path, module, QUANT_METHOD_STEP)
 
     def finish(self) -> ReplayReport:

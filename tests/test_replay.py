@@ -100,7 +100,22 @@ def test_raw_steps_run_as_layers_arrive_and_tied_layers_wait_for_finish():
     checked = []
     for record in manifest.modules:
         replayer.layer_ready(record, model.get_submodule(record.path), checked.append)
-    assert calls == ["a"] and checked == ["a"]  # b waits: c aliases its weight
+    assert calls == ["a"] and checked == ["a"]  # b waits: c aliases its weight; a raw step waits for hashes
     report = replayer.finish()
     assert calls == ["a", "b"]
     assert report.post_load == ["a:quant_method", "b:quant_method"]
+
+
+def test_a_restorer_that_never_writes_its_tensors_does_not_wait_for_their_hashes():
+    from tensorizer_manifest.replay import Replayer
+    from tensorizer_manifest.restorers import RESTORERS
+
+    assert RESTORERS["cpu_unquantized_gemm"].writes_tensors is False
+    assert RESTORERS["attention_scales"].writes_tensors is False
+    model = _model()
+    record = _norm_record(replay="attention_scales")
+    replayer = Replayer(model, _manifest(record), None, torch.device("cpu"))
+    replayer._early.add("norm")  # as if norm had a quant-method step
+    checked: list[str] = []
+    replayer.layer_ready(record, model.norm, checked.append)
+    assert checked == [] and replayer.report.restored == {"norm": "attention_scales"}

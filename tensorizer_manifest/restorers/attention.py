@@ -15,6 +15,7 @@ from .base import Restorer, register
 class AttentionScalesRestorer(Restorer):
     name = "attention_scales"
     kernel_independent = True
+    writes_tensors = False
     _FLOATS = {
         "_q_scale_float": "_q_scale",
         "_k_scale_float": "_k_scale",

@@ -30,6 +30,10 @@ class Restorer:
     #: True when the processed tensors are still what any kernel accepts, so
     #: the loading engine may pick a different kernel than the saving one.
     kernel_independent: ClassVar[bool] = False
+    #: False when ``replay`` never writes the layer's tensors in place (it may read them, or put new
+    #: tensors in their place): then it runs while the layer's content hashes are still being checked.
+    #: Every hash is checked before the load returns either way.
+    writes_tensors: ClassVar[bool] = True
 
     def applies_to(self, module: torch.nn.Module) -> bool:
         """Whether this restorer is about this kind of layer at all."""

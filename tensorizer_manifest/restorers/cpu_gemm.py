@@ -18,6 +18,7 @@ from .base import Restorer, register
 class CpuUnquantizedGemmRestorer(Restorer):
     name = "cpu_unquantized_gemm"
     kernel_independent = True
+    writes_tensors = False
 
     def applies_to(self, module):
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
