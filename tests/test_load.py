@@ -6,6 +6,8 @@ vLLM end of loading is proved in the end-to-end tests.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.synthetic import make_capture, write_synthetic_checkpoint
@@ -125,3 +127,16 @@ def test_a_file_written_in_another_order_still_restores(checkpoint, tmp_path):
     with TensorFileReader(reversed_file) as reader:
         restore_tensors(model, manifest, reader)
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, dict(stored)["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_the_checked_in_v1_checkpoint_still_loads():
+    """Written by tensorizer-manifest 0.1.0 before the layout change: it validates and restores exactly."""
+    v1 = Path(__file__).parent / "fixtures" / "v1-checkpoint"
+    manifest, path = load_manifest(v1)
+    model = _fresh_model()
+    check_model(manifest, model)
+    with TensorFileReader(check_files(manifest, path)) as reader:
+        restore_tensors(model, manifest, reader)
+    for layer in make_capture(seed=7).layers:  # the capture the fixture was written from
+        for name, slot in layer.tensors.items():
+            assert torch.equal(getattr(model.get_submodule(layer.path), name), slot.tensor), f"{layer.path}.{name}"
