@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from .errors import TensorizerManifestError
+from .tiny import TINY_KINDS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -181,6 +182,22 @@ def schema() -> None:
     sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
 
 
+def parse_engine_args(items: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` pairs as vLLM keyword arguments: JSON values where they parse, strings otherwise."""
+    import json
+
+    args: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--engine-arg")
+        try:
+            args[key.strip().replace("-", "_")] = json.loads(value)
+        except ValueError:
+            args[key.strip().replace("-", "_")] = value
+    return args
+
+
 @app.command()
 @click.argument("src")
 @click.argument("out", type=_PATH)
@@ -191,6 +208,18 @@ def schema() -> None:
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--revision", default=None)
 @click.option("--trust-remote-code", is_flag=True)
+@click.option(
+    "--kv-cache-dtype", default=None, help="As vLLM's --kv-cache-dtype (e.g. fp8); the loading engine must match."
+)
+@click.option("--enable-expert-parallel", is_flag=True, help="As vLLM's --enable-expert-parallel.")
+@click.option(
+    "--engine-arg",
+    "engine_arg",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any other vllm.LLM option, repeatable; VALUE is read as JSON when it parses (4, true, {...}), "
+    "else as a string. KEY may be spelled as the vllm serve flag (max-num-seqs).",
+)
 @click.option(
     "--cpu-gemm",
     type=click.Choice(["auto", "fallback"]),
@@ -208,6 +237,9 @@ def save(
     max_model_len,
     revision,
     trust_remote_code: bool,
+    kv_cache_dtype: str | None,
+    enable_expert_parallel: bool,
+    engine_arg: tuple[str, ...],
     cpu_gemm: str,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
@@ -216,6 +248,11 @@ def save(
     from .errors import ConfigurationError
     from .save import save_checkpoint
 
+    engine_args = parse_engine_args(engine_arg)
+    if kv_cache_dtype is not None:
+        engine_args["kv_cache_dtype"] = kv_cache_dtype
+    if enable_expert_parallel:
+        engine_args["enable_expert_parallel"] = True
     try:
         result = save_checkpoint(
             src,
@@ -228,6 +265,7 @@ def save(
             revision=revision,
             trust_remote_code=trust_remote_code,
             cpu_gemm=cpu_gemm,
+            engine_args=engine_args,
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -253,7 +291,7 @@ def save(
 )
 @click.option(
     "--kind",
-    type=click.Choice(["w8a8-int8", "llama", "qwen3-tied", "qwen2-bias"]),
+    type=click.Choice(TINY_KINDS),
     default="w8a8-int8",
     show_default=True,
     help="Tiny model; w8a8-int8 has raw and processed layers.",

@@ -10,7 +10,7 @@ from ._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .checkpoint import load_manifest
 from .inspect import render
 from .save import save_checkpoint, shutdown
-from .tiny import DEMO_PROMPTS, build_tiny_model
+from .tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
 
 def generate_tokens(
@@ -53,19 +53,20 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
     model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
     console.rule(f"1. tiny {kind} model at {model_dir} ({time.perf_counter() - t0:.1f}s, cached)")
 
-    ref_tokens, prompt_lengths, ref_start = generate_tokens(model_dir, "auto", max_tokens)
+    engine = engine_args(kind)  # type: ignore[arg-type]
+    ref_tokens, prompt_lengths, ref_start = generate_tokens(model_dir, "auto", max_tokens, **engine)
     console.rule(f"2. vLLM default loader (safetensors): engine up in {ref_start:.1f}s")
 
     out_dir = work_dir / f"tiny-{kind}-tensorized"
     t0 = time.perf_counter()
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128)
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine)
     console.rule(f"3. saved with a manifest to {out_dir} in {time.perf_counter() - t0:.1f}s")
 
     manifest, manifest_path = load_manifest(out_dir)
     render(manifest, str(manifest_path), console)
 
     report: dict = {}
-    tm_tokens, _, tm_start = generate_tokens(out_dir, LOAD_FORMAT, max_tokens, report=report)
+    tm_tokens, _, tm_start = generate_tokens(out_dir, LOAD_FORMAT, max_tokens, report=report, **engine)
     console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
     laps = report.get("seconds", {})
     console.print(

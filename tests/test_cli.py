@@ -115,3 +115,40 @@ def test_save_with_a_bad_option_is_a_usage_error(tmp_path):
     proc = subprocess.run([*CLI, "save", str(src), str(tmp_path / "out"), "-tp", "0"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_engine_args_are_read_as_vllm_serve_would():
+    import click
+
+    from tensorizer_manifest.cli import parse_engine_args
+
+    assert parse_engine_args(("max-num-seqs=4", "enable_prefix_caching=false", "kv_cache_dtype=fp8")) == {
+        "max_num_seqs": 4,
+        "enable_prefix_caching": False,
+        "kv_cache_dtype": "fp8",
+    }
+    assert parse_engine_args(('override_generation_config={"temperature": 0.5}',)) == {
+        "override_generation_config": {"temperature": 0.5}
+    }
+    with pytest.raises(click.BadParameter, match="not KEY=VALUE"):
+        parse_engine_args(("max_num_seqs",))
+
+
+@pytest.mark.e2e
+def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
+    """A checkpoint of a model with calibrated fp8 KV scales, saved from the CLI with an fp8 KV cache."""
+    from tensorizer_manifest.tiny import build_tiny_model
+
+    src = build_tiny_model(e2e_dir / "tiny-kv-fp8-calibrated", "kv-fp8-calibrated")
+    out = tmp_path / "saved"
+    proc = subprocess.run(
+        [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128", "--kv-cache-dtype",
+         "fp8", "--engine-arg", "max-num-seqs=1"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((out / "model.manifest.json").read_text())
+    assert manifest["fingerprint"]["kv_cache_dtype"] == "fp8"
+    valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
+    assert valid.returncode == 0, valid.stderr
