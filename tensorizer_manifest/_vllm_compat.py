@@ -26,7 +26,12 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm._custom_ops", "_supports_onednn"),
     ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config"),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading"),
+    ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint"),
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel"),
+    ("torch.cpu", "_is_amx_tile_supported"),
 )
+_MISSING = object()
+
 #: Supported vLLM releases (also in README.md).
 SUPPORTED_VLLM = ">=0.32,<0.34"
 
@@ -48,8 +53,12 @@ def missing_private_names() -> list[str]:
         except ImportError:
             missing.append(f"{module_name} (module)")
             continue
-        if not hasattr(module, attr):
-            missing.append(f"{module_name}.{attr}")
+        target: Any = module
+        for part in attr.split("."):
+            target = getattr(target, part, _MISSING)
+            if target is _MISSING:
+                missing.append(f"{module_name}.{attr}")
+                break
     return missing
 
 
@@ -120,6 +129,51 @@ def disable_onednn() -> None:
 def skips_cpu_gemm_dispatch(module: Any) -> bool:
     """Layers vLLM marks to keep ``F.linear`` (MLA's ``kv_b_proj``): a flag vLLM sets on the layer."""
     return bool(getattr(module, "_cpu_skip_gemm_dispatch", False))
+
+
+def cpu_features() -> list[str]:
+    """The CPU features that steer vLLM's CPU kernels: torch's SIMD level, and AMX, which changes layouts."""
+    import torch
+
+    features = [str(torch.backends.cpu.get_cpu_capability())]
+    if has_amx():
+        features.append("AMX")
+    return features
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM packs MoE experts and 4-bit weights differently then)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def cpu_wna16_layout(act_type: Any, scale_dtype: Any) -> dict[str, Any]:
+    """What vLLM's ``CPUWNA16LinearKernel`` step decides on this machine, before it touches a tensor.
+
+    Mirrors the first lines of its ``process_weights_after_loading`` (vLLM
+    computes them inline): the w4a8 layout with AMX (or RISC-V) for bfloat16
+    activations, else the w4a16 layout with an ISA hint from the scales' dtype.
+    Capture checks this prediction against what the step really set.
+    """
+    import torch
+    from vllm import envs
+    from vllm.model_executor.kernels.linear.mixed_precision import cpu as wna16
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    riscv = current_platform.get_cpu_architecture() == CpuArchEnum.RISCV
+    use_w4a8 = bool(envs.VLLM_CPU_INT4_W4A8 and act_type == torch.bfloat16 and (has_amx() or riscv))
+    if use_w4a8:
+        return {"use_w4a8": True}
+    return {"use_w4a8": False, "isa_hint": wna16._get_isa_hint(scale_dtype)}
+
+
+def init_moe_kernel(quant_method: Any, layer: Any) -> None:
+    """vLLM's own rebuild of a fused-MoE kernel from already processed weights (its pre-processed branch)."""
+    init = getattr(quant_method, "_init_moe_kernel", None)
+    if init is None:
+        raise _gone(f"{type(quant_method).__name__}._init_moe_kernel (rebuilds a MoE kernel without repacking)")
+    init(layer)
 
 
 # --- engine facts --------------------------------------------------------------------------------

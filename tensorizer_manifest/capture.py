@@ -9,7 +9,8 @@ otherwise its pre-processing tensors are kept and it is saved ``raw``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from .layers import (
     refuse_model_level_hook,
     snapshot_module,
 )
-from .restorers import find_restorer
+from .restorers import Restorer, find_restorer
 from .schema import REPLAY_NONE, REPLAY_POST_LOAD, Fingerprint, KernelRecord, LayerState, RuntimeAttr, plain_value
 
 
@@ -39,6 +40,30 @@ class CapturedLayer:
     kernels: list[KernelRecord]
     runtime_state: list[RuntimeAttr]
     reason: str
+    form: dict[str, Any] = field(default_factory=dict)
+    verified: bool | None = None
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """Which layers may be saved processed (``save --portable``, ``--allow-unverified``)."""
+
+    portable: bool = False
+    """Save every layer raw: the checkpoint loads on any machine whose engine settings match."""
+    allow_unverified: bool = False
+    """Save processed also where the restorer is not verified on this device kind (recorded per layer)."""
+    device_type: str = "cpu"
+
+    def refuses(self, restorer: Restorer) -> str | None:
+        """Why a layer this restorer covers is saved raw anyway; None when it may be saved processed."""
+        if self.portable:
+            return "saved raw: --portable"
+        if not restorer.verified_for(self.device_type) and not self.allow_unverified:
+            return (
+                f"saved raw: restorer {restorer.name} is not verified on {self.device_type} "
+                "(--allow-unverified saves it processed)"
+            )
+        return None
 
 
 @dataclass
@@ -58,7 +83,13 @@ def runtime_attrs(diff: LayerDiff, rebuilt_by: str) -> list[RuntimeAttr]:
     return out
 
 
-def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: ModuleSnapshot) -> CapturedLayer:
+def classify(
+    path: str,
+    module: torch.nn.Module,
+    before: ModuleSnapshot,
+    after: ModuleSnapshot,
+    policy: CapturePolicy = CapturePolicy(),
+) -> CapturedLayer:
     """Decide raw or processed for one layer; never guess."""
     diff = diff_snapshots(before, after)
     if diff.empty:
@@ -66,6 +97,8 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
             path, module, "processed", REPLAY_NONE, after.tensors, after.kernels, [], "post-load changed nothing"
         )
     restorer, why_not = find_restorer(module, diff)
+    if restorer is not None and (refused := policy.refuses(restorer)) is not None:
+        restorer, why_not = None, refused
     if restorer is not None:
         return CapturedLayer(
             path,
@@ -76,6 +109,8 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
             after.kernels,
             runtime_attrs(diff, restorer.name),
             f"restorer {restorer.name} rebuilds all the step created",
+            form=restorer.form(module),
+            verified=restorer.verified_for(policy.device_type),
         )
     # Tensors the step creates (e.g. int8's ``azp_adj``) are runtime state of a raw layer too.
     created = [
@@ -97,9 +132,10 @@ def classify(path: str, module: torch.nn.Module, before: ModuleSnapshot, after: 
 class Recorder:
     """Snapshots the whole model before the post-load step and classifies it after."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, policy: CapturePolicy = CapturePolicy()):
         refuse_model_level_hook(model)
         self.model = model
+        self.policy = policy
         self._clones: dict[int, torch.Tensor] = {}
         self.before = {
             path: snapshot_module(module, self._clones if has_post_load(module) else None)
@@ -121,7 +157,7 @@ class Recorder:
                     f"module {path!r} appeared during the post-load step; tensorizer-manifest "
                     "cannot describe modules the step creates"
                 )
-            layer = classify(path, module, before, after)
+            layer = classify(path, module, before, after, self.policy)
             if layer.state == "raw" and not has_post_load(module):
                 raise UnsupportedModelError(
                     f"module {path!r} ({type(module).__name__}) was changed by the post-load step "

@@ -227,6 +227,16 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     show_default=True,
     help="CPU only: 'fallback' keeps linear weights so those layers save processed.",
 )
+@click.option(
+    "--portable",
+    is_flag=True,
+    help="Save every layer raw: loads on any machine whose engine settings match (vLLM's step runs at load).",
+)
+@click.option(
+    "--allow-unverified",
+    is_flag=True,
+    help="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
+)
 def save(
     src: str,
     out: Path,
@@ -241,6 +251,8 @@ def save(
     enable_expert_parallel: bool,
     engine_arg: tuple[str, ...],
     cpu_gemm: str,
+    portable: bool,
+    allow_unverified: bool,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
@@ -265,6 +277,8 @@ def save(
             revision=revision,
             trust_remote_code=trust_remote_code,
             cpu_gemm=cpu_gemm,
+            portable=portable,
+            allow_unverified=allow_unverified,
             engine_args=engine_args,
         )
     except ConfigurationError as exc:

@@ -44,6 +44,7 @@ INFORMATIONAL = (
     "data_parallel_rank",
     "cpu_onednn",
     "revision",
+    "cpu_features",
 )
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
@@ -88,6 +89,7 @@ def engine_fingerprint(vllm_config: Any) -> Fingerprint:
         linear_backend=_opt_str(getattr(kernel_config, "linear_backend", None)),
         moe_backend=_opt_str(getattr(kernel_config, "moe_backend", None)),
         revision=model_config.revision,
+        cpu_features=_vllm_compat.cpu_features() if current_platform.is_cpu() else [],
     )
 
 

@@ -13,8 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from . import _vllm_compat
 from .errors import CompatibilityError, IntegrityError
 from .layers import find_kernels, has_post_load, module_tensors
+from .restorers import RESTORERS
 from .schema import Manifest, ModuleRecord, TensorRecord, full_name, kernel_map, qualified_class
 from .tensor_file import TensorFileReader
 from .tensors import dtype_name, hash_tensor, make_parameter, materialize
@@ -56,6 +58,39 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
             "Load it with the engine settings it was saved with, or re-save it on this engine.",
             problems,
         )
+    check_forms(manifest, model)
+
+
+def check_forms(manifest: Manifest, model: torch.nn.Module) -> None:
+    """Refuse processed layers whose tensors are in a layout this machine's kernels would not produce.
+
+    Each restorer computes, from the freshly built layer, the layout vLLM's step
+    would write here (``Restorer.form``); the manifest holds the saving machine's.
+    """
+    differences: list[tuple[str, object, object]] = []
+    for record in manifest.modules:
+        restorer = RESTORERS.get(record.replay) if record.state == "processed" else None
+        if restorer is None:
+            continue
+        here = restorer.form(model.get_submodule(record.path))
+        if here != record.form:
+            differences.append((record.path, record.form, here))
+    if not differences:
+        return
+    path, saved, here = differences[0]
+    more = f" (and {len(differences) - 1} more layers)" if len(differences) > 1 else ""
+    saved_cpu = ", ".join(manifest.fingerprint.cpu_features) or "unrecorded"
+    try:
+        this_cpu = ", ".join(_vllm_compat.cpu_features())
+    except Exception:  # not a CPU platform
+        this_cpu = manifest.fingerprint.device_type
+    raise CompatibilityError(
+        f"layer {path!r} was saved processed in the layout {saved} (saved on {saved_cpu}); vLLM on this "
+        f"machine ({this_cpu}) would produce {here}{more}. Processed tensors only load where the kernel "
+        "lays them out the same way: re-save the checkpoint on this kind of machine, or save it with "
+        "--portable (every layer raw) to load it anywhere.",
+        [(f"{p}.form", a, b) for p, a, b in differences],
+    )
 
 
 def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Module) -> list[tuple[str, object, object]]:
@@ -73,7 +108,8 @@ def _check_layer_tensors(path: str, record: ModuleRecord, module: torch.nn.Modul
                     (f"{path}.{name}", f"{t.dtype}{t.shape}", f"{dtype_name(tensor.dtype)}{list(tensor.shape)}")
                 )
     else:
-        unknown = set(saved) - set(fresh)
+        restorer = RESTORERS.get(record.replay)
+        unknown = set(saved) - set(fresh) - (restorer.creates_tensors(module) if restorer is not None else set())
         if unknown:
             problems.append(
                 (f"{path} tensors", sorted(saved), f"{sorted(fresh)} (no restorer creates {sorted(unknown)})")

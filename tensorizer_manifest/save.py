@@ -41,6 +41,10 @@ class SaveOptions(BaseModel):
             "On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed."
         ),
     )
+    portable: bool = Field(False, description="Save every layer raw: loads on any machine whose engine settings match.")
+    allow_unverified: bool = Field(
+        False, description="Save processed also where the restorer is not verified on this device kind."
+    )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
 
     @classmethod
@@ -94,6 +98,7 @@ def engine_kwargs(options: SaveOptions) -> dict[str, Any]:
         trust_remote_code=options.trust_remote_code,
         enforce_eager=True,
         max_num_seqs=1,
+        model_loader_extra_config={"portable": options.portable, "allow_unverified": options.allow_unverified},
     )
     kwargs.update(options.engine_args)
     return kwargs

@@ -159,6 +159,13 @@ class ModuleRecord(_Struct, kw_only=True):
     """``post_load`` (raw), ``none`` (nothing to rebuild) or a restorer name (processed)."""
     tensors: list[TensorRecord] = []
     runtime_state: list[RuntimeAttr] = []
+    form: dict[str, PlainValue] = {}
+    """For a processed layer, what decided the layout of its tensors on the saving machine (the kernel's
+    ISA, its flags, the experts class): the loader refuses, before reading weights, a layer whose form
+    this machine would not produce. Empty when the layout is the same everywhere."""
+    verified: bool | None = None
+    """For a layer a restorer replays: False when its restorer was not verified on the saving device
+    kind and the user opted in (``--allow-unverified``); None for raw layers and older manifests."""
 
 
 class Fingerprint(_Struct, kw_only=True):
@@ -186,6 +193,8 @@ class Fingerprint(_Struct, kw_only=True):
     linear_backend: str | None = None
     moe_backend: str | None = None
     revision: str | None = None
+    cpu_features: list[str] = []
+    """The CPU's instruction-set features that steer vLLM's CPU kernels (``AVX512``, ``AMX``...)."""
 
 
 class TensorFileRef(_Struct, kw_only=True):

@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
-from .capture import Capture, Recorder
+from .capture import Capture, CapturePolicy, Recorder
 from .checkpoint import checkpoint_stem, load_manifest
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
@@ -81,6 +81,25 @@ class LoadOptions(BaseModel):
             return cls(**raw)
         except ValidationError as exc:
             raise ConfigurationError(f"invalid model_loader_extra_config for {LOAD_FORMAT}: {exc}") from None
+
+
+class CaptureOptions(BaseModel):
+    """What ``model_loader_extra_config`` may hold for ``tensorizer_manifest_capture`` (saving)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    portable: bool = Field(False, description="Save every layer raw: loads wherever the engine settings match.")
+    allow_unverified: bool = Field(
+        False, description="Save processed also with restorers not verified on this device kind."
+    )
+
+    @classmethod
+    def from_load_config(cls, load_config: Any) -> CaptureOptions:
+        raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
+        try:
+            return cls(**raw)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid model_loader_extra_config for {CAPTURE_LOAD_FORMAT}: {exc}") from None
 
 
 def rank_stem(vllm_config: Any) -> str:
@@ -162,15 +181,21 @@ class CaptureModelLoader(DefaultModelLoader):
     def __init__(self, load_config):
         from vllm.config import replace
 
+        self.options = CaptureOptions.from_load_config(load_config)
         # The default loader picks weight files by load format; read them as "auto" does.
-        super().__init__(replace(load_config, load_format="auto"))
+        super().__init__(replace(load_config, load_format="auto", model_loader_extra_config={}))
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         fingerprint = engine_fingerprint(vllm_config)
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_step) -> None:
-            recorder = Recorder(model)
+            policy = CapturePolicy(
+                portable=self.options.portable,
+                allow_unverified=self.options.allow_unverified,
+                device_type=fingerprint.device_type,
+            )
+            recorder = Recorder(model, policy)
             run_step()
             captured.append(recorder.finish(fingerprint))
 

@@ -66,6 +66,8 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
                 replay=layer.replay,
                 tensors=records,
                 runtime_state=layer.runtime_state,
+                form=layer.form,
+                verified=layer.verified,
             )
         )
     manifest = Manifest(

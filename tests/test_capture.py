@@ -54,3 +54,36 @@ def test_a_layer_changed_without_a_step_of_its_own_is_refused():
         model.norm.weight.fill_(2.0)  # in place, as a model-level hook would
     with pytest.raises(UnsupportedModelError, match="no post-load step of its own"):
         recorder.finish(fingerprint=None)
+
+
+def _linear_after_dispatch():
+    """An unquantized linear layer whose step only built the ``cpu_linear`` dispatch (the torch fallback)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    layer = _layer()
+    layer.quant_method = UnquantizedLinearMethod()
+    before = snapshot_module(layer, clones={})
+    layer.cpu_linear = torch.nn.functional.linear
+    return layer, before, snapshot_module(layer, None)
+
+
+def test_policy_portable_saves_a_covered_layer_raw():
+    from tensorizer_manifest.capture import CapturePolicy
+
+    layer, before, after = _linear_after_dispatch()
+    assert classify("proj", layer, before, after).replay == "cpu_unquantized_gemm"
+    portable = classify("proj", layer, before, after, CapturePolicy(portable=True))
+    assert (portable.state, portable.replay, portable.form) == ("raw", "post_load", {})
+    assert "--portable" in portable.reason
+
+
+def test_policy_unverified_restorers_save_raw_unless_the_user_opts_in():
+    from tensorizer_manifest.capture import CapturePolicy
+
+    layer, before, after = _linear_after_dispatch()
+    verified = classify("proj", layer, before, after, CapturePolicy(device_type="cpu"))
+    assert (verified.state, verified.verified) == ("processed", True)
+    refused = classify("proj", layer, before, after, CapturePolicy(device_type="tpu"))
+    assert refused.state == "raw" and "not verified on tpu" in refused.reason
+    opted_in = classify("proj", layer, before, after, CapturePolicy(device_type="tpu", allow_unverified=True))
+    assert (opted_in.state, opted_in.replay, opted_in.verified) == ("processed", "cpu_unquantized_gemm", False)

@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from conftest import run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -142,3 +145,54 @@ def test_vllm_own_tensorizer_loader_is_broken(scenarios, mode):
     fixed = result["error"] is None and result["tokens"] == reference
     assert not fixed, f"vLLM's load_format='tensorizer' ({mode}) now answers correctly: upstream #55198 is fixed"
     assert result["error"] is not None or result["tokens"] != reference
+
+
+#: Tiny kinds whose expensive layers a CPU restorer replays, and that restorer.
+PROCESSED_ON_CPU = {
+    "gptq-w4": "cpu_wna16",
+    "awq-w4": "cpu_wna16",
+    "ct-w4a16": "cpu_wna16",
+    "qwen3-moe": "cpu_unquantized_moe",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PROCESSED_ON_CPU))
+def test_quantized_and_moe_layers_save_processed_and_skip_the_step(scenarios, kind):
+    """The repack (4-bit) or prepack (experts) is saved, not redone: those layers never see the step at load."""
+    result = scenarios.e2e(kind)
+    layers = result["layers"]
+    wanted = ("_proj",) if PROCESSED_ON_CPU[kind] == "cpu_wna16" else (".experts.routed_experts",)
+    expensive = {p for p, layer in layers.items() if p.endswith(wanted) and layer["quant_method"]}
+    expensive -= {p for p in expensive if layers[p]["quant_method"].endswith("UnquantizedLinearMethod")}
+    assert expensive
+    for path in expensive:
+        assert layers[path]["state"] == "processed" and layers[path]["replay"] == PROCESSED_ON_CPU[kind], path
+        assert layers[path]["form"], f"{path}: a machine-dependent layout must be recorded"
+    assert not any(key.split(":", 1)[1] in expensive for key in result["post_load_counts"])
+    assert result["manifest_tokens"] == result["reference_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["gptq-w4", "qwen3-moe"])
+def test_a_layout_this_machine_would_not_produce_is_refused_before_reading(scenarios, kind):
+    """The other kind of x86 machine (AMX flipped in torch's probe) lays these weights out differently."""
+    checkpoint = scenarios.e2e(kind)["checkpoint"]
+    result = run_script("scenarios/other_machine.py", checkpoint, marker="OTHER_MACHINE_RESULT")
+    assert result["error"] == "CompatibilityError", result
+    assert "saved processed in the layout" in result["message"] and "--portable" in result["message"]
+    assert result["tensors_read"] == 0
+
+
+def test_portable_checkpoint_is_all_raw_and_loads_on_the_other_machine(scenarios):
+    result = scenarios.e2e("gptq-w4", "--portable")
+    linear = {
+        p: x
+        for p, x in result["layers"].items()
+        if x["quant_method"] and x["quant_method"].endswith("GPTQLinearMethod")
+    }
+    assert linear and all(x["state"] == "raw" and not x["form"] for x in linear.values())
+    assert result["manifest_tokens"] == result["reference_tokens"]
+    model_dir = str(Path(result["checkpoint"]).parent / "tiny-gptq-w4")
+    other = run_script("scenarios/other_machine.py", result["checkpoint"], "--reference", model_dir,
+                       marker="OTHER_MACHINE_RESULT")  # fmt: skip
+    assert other["error"] is None, other
+    assert other["tokens"] == other["reference_tokens"] and other["tensors_read"] > 0

@@ -140,3 +140,38 @@ def test_the_checked_in_v1_checkpoint_still_loads():
     for layer in make_capture(seed=7).layers:  # the capture the fixture was written from
         for name, slot in layer.tensors.items():
             assert torch.equal(getattr(model.get_submodule(layer.path), name), slot.tensor), f"{layer.path}.{name}"
+
+
+class _LayoutRestorer:
+    """A restorer whose layout depends on a flag the test flips (as AMX decides vLLM's CPU layouts)."""
+
+    name = "test_layout"
+    kernel_independent = False
+    amx = True
+
+    def form(self, module):
+        return {"isa": "amx" if self.amx else "vec"}
+
+    def creates_tensors(self, module):
+        return set()
+
+
+def test_a_processed_layer_in_a_layout_this_machine_would_not_produce_is_refused(checkpoint, monkeypatch):
+    import msgspec
+
+    from tensorizer_manifest import restorers
+
+    manifest, _ = load_manifest(checkpoint)
+    down = next(m for m in manifest.modules if m.path.endswith("down_proj"))
+    edited = msgspec.structs.replace(down, state="processed", replay="test_layout", form={"isa": "amx"})
+    manifest = msgspec.structs.replace(manifest, modules=[edited if m is down else m for m in manifest.modules])
+    layout = _LayoutRestorer()
+    monkeypatch.setitem(restorers.RESTORERS, "test_layout", layout)
+    check_model(manifest, _fresh_model())  # the same layout here: accepted
+    layout.amx = False
+    with pytest.raises(CompatibilityError) as info:
+        check_model(manifest, _fresh_model())
+    message = str(info.value)
+    assert "model.layers.0.mlp.down_proj" in message and "{'isa': 'amx'}" in message and "{'isa': 'vec'}" in message
+    assert "--portable" in message
+    assert info.value.differences == [("model.layers.0.mlp.down_proj.form", {"isa": "amx"}, {"isa": "vec"})]

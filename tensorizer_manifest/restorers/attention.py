@@ -16,6 +16,12 @@ class AttentionScalesRestorer(Restorer):
     name = "attention_scales"
     kernel_independent = True
     writes_tensors = False
+    handles = (
+        "vllm.model_executor.layers.attention.attention.Attention",
+        "vllm.model_executor.layers.quantization.kv_cache.BaseKVCacheMethod",
+    )
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the float and host copies of the q/k/v/prob scales (calibrated KV scales kept, not reset)"
     _FLOATS = {
         "_q_scale_float": "_q_scale",
         "_k_scale_float": "_k_scale",

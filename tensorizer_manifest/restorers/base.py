@@ -34,6 +34,21 @@ class Restorer:
     #: tensors in their place): then it runs while the layer's content hashes are still being checked.
     #: Every hash is checked before the load returns either way.
     writes_tensors: ClassVar[bool] = True
+    #: Qualified names of the vLLM classes (quant methods, kernels, experts) whose layers this restorer
+    #: replays, for ``tensorizer-manifest kernels``; the classes may not exist in every vLLM.
+    handles: ClassVar[tuple[str, ...]] = ()
+    #: What ``replay`` rebuilds, in a few words (shown by ``tensorizer-manifest kernels``).
+    rebuilds: ClassVar[str] = ""
+    #: Device kinds (``cpu``, ``cuda``) where this project's end-to-end tests prove the restorer on real
+    #: vLLM (token-exact, processed tensors bitwise, no post-load step run). Elsewhere a layer it covers
+    #: saves raw unless the user opts in; ``verify-kernels`` records can add a kind.
+    verified_on: ClassVar[frozenset[str]] = frozenset()
+
+    def verified_for(self, device_type: str) -> bool:
+        """Verified on this device kind: by this project's tests, or by a ``verify-kernels`` record."""
+        from ..verification import recorded_verified
+
+        return device_type in self.verified_on or recorded_verified(self.name, device_type)
 
     def applies_to(self, module: torch.nn.Module) -> bool:
         """Whether this restorer is about this kind of layer at all."""
@@ -42,6 +57,18 @@ class Restorer:
     def covers(self, module: torch.nn.Module, diff: LayerDiff) -> str | None:
         """None when ``replay`` rebuilds everything in ``diff``; else why not (shown to users)."""
         raise NotImplementedError
+
+    def form(self, module: torch.nn.Module) -> dict[str, Any]:
+        """What decides the processed tensors' layout on this machine (ISA, kernel flags), read from a
+        freshly built layer before any weights are in: recorded at save, compared before reading at load.
+
+        Plain values only. Empty (the default) when the layout is the same on every machine.
+        """
+        return {}
+
+    def creates_tensors(self, module: torch.nn.Module) -> set[str]:
+        """Tensors a processed layer holds that a freshly built one lacks (the loader adds exactly these)."""
+        return set()
 
     def replay(self, module: torch.nn.Module, model_config: Any) -> None:
         """Rebuild the layer's runtime state from its processed tensors. Never transform them."""

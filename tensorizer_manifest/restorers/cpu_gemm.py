@@ -19,6 +19,12 @@ class CpuUnquantizedGemmRestorer(Restorer):
     name = "cpu_unquantized_gemm"
     kernel_independent = True
     writes_tensors = False
+    handles = (
+        "vllm.model_executor.layers.linear.UnquantizedLinearMethod",
+        "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod",
+    )
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the cpu_linear dispatch (torch fallback or SGL/oneDNN chosen again from the kept weight)"
 
     def applies_to(self, module):
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod

@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("workdir")
     parser.add_argument("--fallback", action="store_true", help="vLLM's torch CPU GEMM instead of oneDNN")
     parser.add_argument("--multiprocessing", action="store_true")
+    parser.add_argument("--portable", action="store_true", help="save with --portable (every layer raw)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
 
@@ -46,7 +47,8 @@ def main() -> None:
     if args.fallback:
         apply_cpu_gemm("fallback")
     model_dir = build_tiny_model(os.path.join(args.workdir, f"tiny-{args.kind}"), args.kind)
-    out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{'-fallback' if args.fallback else ''}")
+    suffix = ("-fallback" if args.fallback else "") + ("-portable" if args.portable else "")
+    out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{suffix}")
     result: dict = {"kind": args.kind, "checkpoint": out_dir}
 
     captured: dict[str, dict] = {}
@@ -73,7 +75,14 @@ def main() -> None:
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
 
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine_args(args.kind))
+    save_checkpoint(
+        model_dir,
+        out_dir,
+        dtype="bfloat16",
+        max_model_len=128,
+        portable=args.portable,
+        engine_args=engine_args(args.kind),
+    )
 
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
@@ -150,7 +159,8 @@ def main() -> None:
 
     manifest, _ = load_manifest(out_dir)
     result["layers"] = {
-        m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method} for m in manifest.modules
+        m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method, "form": m.form}
+        for m in manifest.modules
     }
     if args.multiprocessing:
         result["post_load_counts"] = None

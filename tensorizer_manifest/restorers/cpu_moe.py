@@ -1,0 +1,82 @@
+"""CPU unquantized mixture-of-experts layers: the fused-MoE kernel over prepacked experts.
+
+vLLM's step for ``UnquantizedFusedMoEMethod`` on CPU pads the intermediate
+dimension and prepacks every expert's weights for the grouped GEMM of its
+experts class (``CPUUnquantizedExperts``, ISA "vec"; ``X86CPUUnquantizedExperts``,
+"amx"): a full copy of most of the model's bytes. The packed weights are saved
+processed; replay is vLLM's own pre-processed branch (``_init_moe_kernel``),
+which builds the kernel without packing again. The experts class (chosen by
+the machine) and the zentorch switch are the layer's recorded ``form``.
+"""
+
+from __future__ import annotations
+
+from .. import _vllm_compat
+from ..schema import qualified_class
+from .base import Restorer, register
+
+_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
+_EXPERTS_BASE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+_KERNEL_STATE = {
+    ("quant_method", "moe_kernel"),
+    ("quant_method", "moe_quant_config"),
+    ("quant_method.moe_kernel", "impl"),
+}
+
+
+def _cpu_experts_class(quant_method) -> type | None:
+    experts_cls = getattr(quant_method, "experts_cls", None)
+    if not isinstance(experts_cls, type):
+        return None
+    if not any(qualified_class(base) == _EXPERTS_BASE for base in experts_cls.__mro__):
+        return None
+    return experts_cls
+
+
+class CpuUnquantizedMoeRestorer(Restorer):
+    name = "cpu_unquantized_moe"
+    handles = (_METHOD, _EXPERTS_BASE, "vllm.model_executor.layers.fused_moe.experts.cpu_moe.X86CPUUnquantizedExperts")
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the fused-MoE kernel (vLLM's _init_moe_kernel) over the saved prepacked experts"
+
+    def applies_to(self, module):
+        from vllm.platforms import current_platform
+
+        quant_method = getattr(module, "quant_method", None)
+        return (
+            current_platform.is_cpu()
+            and qualified_class(quant_method) == _METHOD
+            and _cpu_experts_class(quant_method) is not None
+        )
+
+    def form(self, module):
+        from vllm.model_executor.kernels.linear.zentorch_utils import is_zentorch_moe_supported
+
+        experts_cls = _cpu_experts_class(module.quant_method)
+        return {
+            "experts_class": qualified_class(experts_cls),
+            "isa": experts_cls.isa,
+            "zentorch": bool(is_zentorch_moe_supported(module)),
+        }
+
+    def covers(self, module, diff):
+        extra = (set(diff.changed_attrs) - _KERNEL_STATE) | diff.removed_attrs
+        if extra:
+            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        if diff.added_tensors or diff.removed_tensors:
+            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
+        if self.form(module)["zentorch"]:
+            return "zentorch runs this layer's experts from unpacked weights: nothing processed to save"
+        experts = getattr(module.quant_method.moe_kernel, "fused_experts", None)
+        if type(experts) is not _cpu_experts_class(module.quant_method) or getattr(experts, "_use_zentorch", True):
+            return f"the step built {type(experts).__name__} experts, not the prepacked grouped GEMM expected"
+        return None
+
+    def replay(self, module, model_config):
+        quant_method = module.quant_method
+        _vllm_compat.init_moe_kernel(quant_method, module)
+        # The experts' own step would decide zentorch and pack; the form says packed, without zentorch.
+        quant_method.moe_kernel.fused_experts._use_zentorch = False
+
+
+register(CpuUnquantizedMoeRestorer())
