@@ -19,3 +19,6 @@ WORKER_EXTENSION = "tensorizer_manifest.vllm_integration.ManifestWorkerExtension
 
 #: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN), in every process.
 CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
+
+#: Path of a signing key file, used when no ``signing_key_file`` option is given (save, load, validate).
+SIGNING_KEY_ENV = "TENSORIZER_MANIFEST_SIGNING_KEY"

@@ -1,17 +1,21 @@
-"""Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names.
+"""Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names, the signing key.
 
 No torch, no vLLM: ``inspect`` uses it too. Reading goes through ``schema.decode_manifest``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, ManifestError, TensorizerManifestError
-from .schema import MANIFEST_SUFFIX, Manifest, decode_manifest
+from ._constants import SIGNING_KEY_ENV
+from .errors import CheckpointNotFoundError, ConfigurationError, ManifestError, TensorizerManifestError
+from .schema import MANIFEST_SUFFIX, Manifest, SigningKey, decode_manifest
 
 #: Manifests larger than this are refused before parsing.
 MAX_MANIFEST_BYTES = 256 << 20
+#: Signing key files larger than this are refused (a key is a few dozen bytes).
+MAX_SIGNING_KEY_BYTES = 64 << 10
 
 
 def checkpoint_stem(tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -83,3 +87,38 @@ def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
             f"{manifest_path}: tensor file {name[:80]!r} cannot be used ({exc.strerror or exc})"
         ) from None
     return path
+
+
+def read_signing_key(path: str | os.PathLike, source: str = "signing_key_file") -> SigningKey:
+    """The key in a file: its bytes exactly (a trailing newline included), at least 16 of them.
+
+    Messages never show the file's name or content: a key pasted where its path
+    belongs must not end up in a log.
+    """
+    try:
+        with open(path, "rb") as f:
+            material = f.read(MAX_SIGNING_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"the signing key file given by {source} cannot be read ({exc.strerror or type(exc).__name__}); "
+            "it must be the path of a file holding the key, not the key itself"
+        ) from None
+    if len(material) > MAX_SIGNING_KEY_BYTES:
+        raise ConfigurationError(
+            f"the signing key file given by {source} is over {MAX_SIGNING_KEY_BYTES} bytes: not a key file"
+        )
+    try:
+        return SigningKey(material)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source}: {exc}") from None
+
+
+def signing_key_from(path: str | os.PathLike | None) -> SigningKey | None:
+    """The signing key of an entry point: the file its option names, else the file ``$TENSORIZER_MANIFEST_SIGNING_KEY``
+    names, else None (manifests are then sealed, and checked, with a plain digest)."""
+    if path is not None:
+        return read_signing_key(path)
+    from_env = os.environ.get(SIGNING_KEY_ENV)
+    if from_env:
+        return read_signing_key(from_env, source=f"${SIGNING_KEY_ENV}")
+    return None

@@ -89,6 +89,12 @@ def inspect(path: Path, json: bool) -> None:
     is_flag=True,
     help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels.",
 )
+@click.option(
+    "--signing-key-file",
+    type=_PATH,
+    default=None,
+    help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
+)
 def validate(
     path: Path,
     json: bool,
@@ -98,13 +104,14 @@ def validate(
     tensor_parallel_size,
     pipeline_parallel_size,
     engine: bool,
+    signing_key_file: Path | None,
 ) -> None:
     """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
     import msgspec
 
     from .validate import check_engine_settings, validate_checkpoint
 
-    report = validate_checkpoint(path, verify_hashes=hashes)
+    report = validate_checkpoint(path, verify_hashes=hashes, signing_key_file=signing_key_file)
     problems = list(report.problems)
     if report.manifest_path is not None:
         problems += check_engine_settings(
@@ -128,14 +135,16 @@ def validate(
         doc["ok"] = not problems
         doc["problems"] = [p.to_dict() for p in problems]
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
-    elif problems:
+    else:
         for problem in problems:
             err_console().print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)
-    else:
-        console().print(
-            f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
-            f"{report.stored} stored, {report.hashes_checked} content hashes checked"
-        )
+        for warning in report.warnings:
+            err_console().print(f"[yellow]warning[/yellow] {warning}", highlight=False, soft_wrap=True)
+        if not problems:
+            console().print(
+                f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
+                f"{report.stored} stored, {report.hashes_checked} content hashes checked"
+            )
     raise SystemExit(1 if problems else 0)
 
 
@@ -237,6 +246,13 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     is_flag=True,
     help="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
 )
+@click.option(
+    "--signing-key-file",
+    type=_PATH,
+    default=None,
+    help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
+    "without a key, a plain digest). Loading and validating then need the same key.",
+)
 def save(
     src: str,
     out: Path,
@@ -253,6 +269,7 @@ def save(
     cpu_gemm: str,
     portable: bool,
     allow_unverified: bool,
+    signing_key_file: Path | None,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
@@ -280,6 +297,7 @@ def save(
             portable=portable,
             allow_unverified=allow_unverified,
             engine_args=engine_args,
+            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)

@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import _vllm_compat
-from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, WORKER_EXTENSION
+from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, SIGNING_KEY_ENV, WORKER_EXTENSION
+from .checkpoint import signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from .write import copy_model_files
 
@@ -46,6 +47,13 @@ class SaveOptions(BaseModel):
         False, description="Save processed also where the restorer is not verified on this device kind."
     )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
+    signing_key_file: str | None = Field(
+        None,
+        description=(
+            "Path of a key file (else $TENSORIZER_MANIFEST_SIGNING_KEY): the manifest is sealed with a MAC that "
+            "only the key's holders can make; without one, with a plain digest."
+        ),
+    )
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
@@ -111,6 +119,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     ``*.tensors`` file and one ``*.manifest.json`` per rank.
     """
     opts = SaveOptions.parse(options)
+    key_file = signing_key_file_path(opts.signing_key_file)
     src_dir = resolve_model_dir(str(src), opts.revision)
     out_dir = Path(out).expanduser().resolve()
     if out_dir == src_dir.resolve():
@@ -127,11 +136,20 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir),))
+        ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir), False, key_file))
     finally:
         shutdown(llm)
     copied = copy_model_files(src_dir, out_dir)
     return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
+
+
+def signing_key_file_path(option: str | None) -> str | None:
+    """The key file a save uses, checked now (before an engine starts), as an absolute path for the workers."""
+    path = option if option is not None else os.environ.get(SIGNING_KEY_ENV) or None
+    if path is None:
+        return None
+    signing_key_from(option)  # the option, else the variable: a ConfigurationError now, not in every worker
+    return str(Path(path).expanduser().resolve())
 
 
 def shutdown(llm: Any) -> None:

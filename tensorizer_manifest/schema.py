@@ -11,6 +11,11 @@ appended; anything that old readers would misread bumps ``FORMAT_VERSION``.
 A reader refuses a manifest whose ``format_version`` is newer than its own,
 naming both versions. Constraints (hash pattern, non-negative sizes, known
 dtypes) are msgspec ``Meta`` so that the published JSON Schema carries them.
+
+The seal (``Manifest.seal``) covers every field: a blake3 of the manifest's
+msgspec encoding with the seal itself null (``canonical_bytes``), keyed when a
+signing key is given. A field added after the seal must be left out of the
+canonical bytes while it holds its default, or every older seal breaks.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Annotated, Literal, get_args
 import blake3
 import msgspec
 
-from .errors import ManifestError, ManifestVersionError
+from .errors import ConfigurationError, ManifestError, ManifestVersionError
 
 FORMAT_VERSION = 1
 MANIFEST_SUFFIX = ".manifest.json"
@@ -206,6 +211,22 @@ class TensorFileRef(_Struct, kw_only=True):
     """``blake3:<hex>`` over every record's name and form (``digest_records``): binds manifest and tensor file."""
     head_hash: ContentHash | None = None
     """``blake3:<hex>`` of every byte of the file that is not tensor data (``tensor_file.head_hash``)."""
+    prefix_size: Size | None = None
+    """Bytes before the first tensor's own header: tensorizer's file header and index, all that tensorizer
+    parses when it opens the file. None in manifests written by 0.2.0 and older."""
+    prefix_hash: ContentHash | None = None
+    """``blake3:<hex>`` of those bytes, checked with plain reads before tensorizer sees the file."""
+
+
+SealMode = Literal["digest", "mac"]
+
+
+class Seal(_Struct, kw_only=True):
+    """Binds every field of the manifest, so that no edit goes unnoticed (``seal_manifest``)."""
+
+    mode: SealMode
+    """``digest``: plain blake3, catches edits and damage. ``mac``: keyed by a signing key, which is never recorded."""
+    hash: ContentHash
 
 
 class Manifest(_Struct, kw_only=True):
@@ -214,6 +235,8 @@ class Manifest(_Struct, kw_only=True):
     fingerprint: Fingerprint
     tensor_file: TensorFileRef
     modules: list[ModuleRecord]
+    seal: Seal | None = None
+    """None in manifests written by 0.2.0 and older: loadable, reported as not sealed."""
 
     def module_map(self) -> dict[str, ModuleRecord]:
         return {m.path: m for m in self.modules}
@@ -231,6 +254,60 @@ def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
     ]
     text = "\n".join(lines) + "\n" if lines else ""
     return "blake3:" + blake3.blake3(text.encode()).hexdigest()
+
+
+#: blake3 ``derive_key`` context: a user's key of any length becomes the 32-byte key of the seal's MAC.
+_SEAL_KEY_CONTEXT = "tensorizer-manifest 2025 manifest seal MAC key v1"
+#: Signing keys shorter than this are refused: a short key can be guessed.
+MIN_SIGNING_KEY_BYTES = 16
+
+
+class SigningKey:
+    """A signing key for ``mac`` seals. Only the key derived from it is kept, and it is never shown or pickled."""
+
+    __slots__ = ("_derived",)
+
+    def __init__(self, material: bytes):
+        if len(material) < MIN_SIGNING_KEY_BYTES:
+            raise ConfigurationError(
+                f"the signing key has {len(material)} bytes; use at least {MIN_SIGNING_KEY_BYTES} random bytes "
+                "(e.g. `head -c 32 /dev/urandom > KEYFILE`)"
+            )
+        self._derived = blake3.blake3(material, derive_key_context=_SEAL_KEY_CONTEXT).digest()
+
+    def mac(self, data: bytes) -> str:
+        return "blake3:" + blake3.blake3(data, key=self._derived, max_threads=blake3.blake3.AUTO).hexdigest()
+
+    def __repr__(self) -> str:
+        return "SigningKey(<hidden>)"
+
+    def __reduce__(self):
+        raise TypeError("a SigningKey is never pickled; pass the key file's path instead")
+
+
+def canonical_bytes(manifest: Manifest, mode: SealMode) -> bytes:
+    """What a seal covers: its mode, then the compact msgspec encoding of the manifest with the seal null.
+
+    msgspec writes struct fields in declaration order, so the bytes depend on the
+    values alone; the mode is inside, so a ``mac`` seal cannot pass as a ``digest``.
+    """
+    head = f"tensorizer-manifest seal v1 {mode}\n".encode()
+    return head + _encoder.encode(msgspec.structs.replace(manifest, seal=None))
+
+
+def seal_hash(manifest: Manifest, mode: SealMode, key: SigningKey | None = None) -> str:
+    data = canonical_bytes(manifest, mode)
+    if mode == "mac":
+        if key is None:
+            raise ConfigurationError("a mac seal needs a signing key")
+        return key.mac(data)
+    return "blake3:" + blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
+def seal_manifest(manifest: Manifest, key: SigningKey | None = None) -> Seal:
+    """The seal for this manifest as it is now: ``mac`` with a key, ``digest`` without."""
+    mode: SealMode = "mac" if key is not None else "digest"
+    return Seal(mode=mode, hash=seal_hash(manifest, mode, key))
 
 
 class _Header(msgspec.Struct, gc=False):

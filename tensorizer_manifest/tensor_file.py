@@ -1,4 +1,4 @@
-"""The tensor file on disk: writing it with tensorizer, reading it back, its index and head hash.
+"""The tensor file on disk: writing it with tensorizer, reading it back, its index, prefix and head hash.
 
 The only module that imports tensorizer, so a tensorizer upgrade touches one
 file. Tensors go in contiguous and with their dtype untouched; the manifest
@@ -168,4 +168,31 @@ def head_hash(path: Path, index: dict[str, IndexEntry] | None = None) -> str:
                 h.update(chunk)
                 remaining -= len(chunk)
             position = max(position, end)
+    return "blake3:" + h.hexdigest()
+
+
+def prefix_size(index: dict[str, IndexEntry], file_size: int) -> int:
+    """Bytes before the first tensor's own header: tensorizer's file header and index.
+
+    Everything ``TensorDeserializer`` reads when it opens a file lies there (its
+    magic, version, counts, the index's length and the index), so a check of
+    these bytes with plain reads vouches for what tensorizer will parse.
+    """
+    return min((e.header_offset for e in index.values()), default=file_size)
+
+
+def prefix_hash(path: Path, length: int) -> str:
+    """blake3 of the first ``length`` bytes, read in bounded chunks: never more than ``length`` bytes, no tensorizer.
+
+    The caller caps ``length`` at the file's size; a file shorter than that hashes what it has.
+    """
+    h = blake3.blake3()
+    remaining = length
+    with open(path, "rb") as f:
+        while remaining > 0:
+            chunk = f.read(min(remaining, _CHUNK))
+            if not chunk:
+                break
+            h.update(chunk)
+            remaining -= len(chunk)
     return "blake3:" + h.hexdigest()

@@ -1,12 +1,13 @@
 """A checkpoint against itself, with no vLLM and no GPU: the manifest's records, then its tensor file.
 
 Like safetensors' reader, everything that can be checked from metadata is
-checked before any tensor data is read or allocated: record names unique,
-shapes and byte counts consistent, aliases valid, the digest over all
-records equal to the one bound to the tensor file, the file's exact size, the
-hash of its head, and tensorizer's own index (every record present once, the
-same dtype, shape and byte length, data inside the file and not overlapping).
-Content hashes are checked last, one tensor at a time.
+checked before any tensor data is read or allocated: the seal over the whole
+manifest, record names unique, shapes and byte counts consistent, aliases
+valid, the digest over all records equal to the one bound to the tensor file,
+the file's exact size, the hash of its prefix (read plainly, before tensorizer
+parses a byte of it), the hash of its head, and tensorizer's own index (every
+record present once, the same dtype, shape and byte length, data inside the
+file and not overlapping). Content hashes are checked last, one tensor at a time.
 
 ``validate_checkpoint`` collects every problem into a frozen report (as
 huggingface_hub's cache verification does); the loader calls
@@ -16,11 +17,19 @@ huggingface_hub's cache verification does); the loader calls
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import load_manifest, read_manifest, resolve_tensor_file
-from .errors import CompatibilityError, IntegrityError, ManifestError, TensorizerManifestError
+from ._constants import SIGNING_KEY_ENV
+from .checkpoint import load_manifest, read_manifest, resolve_tensor_file, signing_key_from
+from .errors import (
+    CompatibilityError,
+    ConfigurationError,
+    IntegrityError,
+    ManifestError,
+    TensorizerManifestError,
+)
 from .fingerprint import settings_differences
 from .restorers import known_replays
 from .schema import (
@@ -28,11 +37,13 @@ from .schema import (
     DTYPE_ITEMSIZE,
     REPLAY_POST_LOAD,
     Manifest,
+    SigningKey,
     TensorRecord,
     digest_records,
     full_name,
+    seal_hash,
 )
-from .tensor_file import TensorFileReader, head_hash, read_index
+from .tensor_file import TensorFileReader, head_hash, prefix_hash, read_index
 from .tensors import hash_tensor
 
 #: The largest tensor a record may describe; bigger claims are refused before allocation.
@@ -64,6 +75,8 @@ class ValidationReport:
     stored: int = 0
     hashes_checked: int = 0
     problems: tuple[Problem, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    """What is not wrong but weaker than it should be (an unsealed manifest); ``ok`` ignores them."""
 
     @property
     def ok(self) -> bool:
@@ -85,6 +98,7 @@ class ValidationReport:
             "stored": self.stored,
             "hashes_checked": self.hashes_checked,
             "problems": [p.to_dict() for p in self.problems],
+            "warnings": list(self.warnings),
         }
 
 
@@ -124,13 +138,67 @@ def _check_module_replay(module, known: set[str], problem) -> None:
         )
 
 
-def check_manifest(manifest: Manifest, manifest_path: Path) -> tuple[list[Problem], dict[str, TensorRecord]]:
-    """Record-level checks; returns problems and the stored records by file key."""
+_PASS_THE_KEY = (
+    f"pass its key file (signing_key_file in model_loader_extra_config, --signing-key-file, or ${SIGNING_KEY_ENV})"
+)
+
+
+def check_seal(manifest: Manifest, signing_key: SigningKey | None) -> tuple[type[TensorizerManifestError], str] | None:
+    """Whether the seal binds this manifest, as (error, message); None when it does, or when there is none and no key.
+
+    With a key, only a ``mac`` seal made with that key passes: a ``digest`` can
+    be recomputed by anyone who edits the manifest, and a seal can be removed.
+    """
+    seal = manifest.seal
+    if seal is None:
+        if signing_key is None:
+            return None  # an old manifest: a warning (unsealed_warning), not an error
+        return IntegrityError, (
+            "a signing key was given but the manifest is not sealed (saved by tensorizer-manifest 0.2.0 or "
+            "older, or its seal was removed): re-save the checkpoint with the key"
+        )
+    if seal.mode == "mac" and signing_key is None:
+        return ConfigurationError, f"the manifest is sealed with a signing key (mac); {_PASS_THE_KEY} to check it"
+    if seal.mode == "digest" and signing_key is not None:
+        return IntegrityError, (
+            "a signing key was given but the manifest's seal is a plain digest, which anyone who edits the "
+            "manifest can recompute: it was saved without the key, or edited and re-sealed; re-save it with the key"
+        )
+    if seal_hash(manifest, seal.mode, signing_key) != seal.hash:
+        if seal.mode == "mac":
+            return IntegrityError, (
+                "the manifest was modified after it was saved, or the signing key is not the one it was saved with "
+                "(its seal does not match): use the right key, or re-save the checkpoint"
+            )
+        return IntegrityError, (
+            "the manifest was modified after it was saved (its seal does not match its content): re-save the checkpoint"
+        )
+    return None
+
+
+def unsealed_warning(manifest: Manifest) -> str | None:
+    """The note for an unsealed manifest: loadable, but edits to it are not caught as such."""
+    if manifest.seal is not None:
+        return None
+    return (
+        "the manifest is not sealed (saved by tensorizer-manifest 0.2.0 or older): an edit of a field the other "
+        "checks do not cover would go unnoticed; re-save the checkpoint to seal it"
+    )
+
+
+def check_manifest(
+    manifest: Manifest, manifest_path: Path, signing_key: SigningKey | None = None
+) -> tuple[list[Problem], dict[str, TensorRecord]]:
+    """The seal, then record-level checks; returns problems and the stored records by file key."""
     problems: list[Problem] = []
     where = str(manifest_path)
 
     def problem(kind: type[TensorizerManifestError], message: str) -> None:
         problems.append(Problem(kind, where, message))
+
+    sealed = check_seal(manifest, signing_key)
+    if sealed is not None:
+        problem(*sealed)
 
     records_by_name: dict[str, TensorRecord] = {}
     by_key: dict[str, TensorRecord] = {}
@@ -203,6 +271,9 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
     total = sum(r.nbytes for r in by_key.values())
     if total > size:
         return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
+    prefix = _check_prefix(manifest, tensor_path, size)
+    if prefix is not None:
+        return [prefix]  # tensorizer never sees a file whose header and index are not the saved ones
     try:
         index = read_index(tensor_path)
     except Exception as exc:  # tensorizer raises many kinds on a damaged file
@@ -265,9 +336,33 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
     return problems
 
 
-def check_files(manifest: Manifest, manifest_path: Path) -> Path:
+def _check_prefix(manifest: Manifest, tensor_path: Path, size: int) -> Problem | None:
+    """tensorizer's file header and index against the manifest, with plain reads of at most the file's size.
+
+    tensorizer believes the size fields it finds there (a damaged index length
+    makes it allocate what it claims), so they are checked before it opens the
+    file. Manifests of 0.2.0 and older have no prefix: tensorizer reads their index unchecked.
+    """
+    ref, where = manifest.tensor_file, str(tensor_path)
+    if ref.prefix_size is None and ref.prefix_hash is None:
+        return None
+    if ref.prefix_size is None or ref.prefix_hash is None:
+        return Problem(ManifestError, where, "prefix_size and prefix_hash are recorded together or not at all")
+    if ref.prefix_size > size:
+        return Problem(IntegrityError, where, f"the manifest's prefix_size {ref.prefix_size} is past the file's end")
+    if prefix_hash(tensor_path, ref.prefix_size) != ref.prefix_hash:
+        return Problem(
+            IntegrityError,
+            where,
+            "the file's header does not match the manifest (tensorizer's file header or index differs; "
+            "checked before tensorizer reads it): it belongs to another checkpoint or is damaged",
+        )
+    return None
+
+
+def check_files(manifest: Manifest, manifest_path: Path, signing_key: SigningKey | None = None) -> Path:
     """Everything but content hashes; raises on the first kind of problem. Used by the loader."""
-    problems, by_key = check_manifest(manifest, manifest_path)
+    problems, by_key = check_manifest(manifest, manifest_path, signing_key)
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
     tensor_path = resolve_tensor_file(manifest, manifest_path)
     problems = check_tensor_file(manifest, tensor_path, by_key)
@@ -275,24 +370,33 @@ def check_files(manifest: Manifest, manifest_path: Path) -> Path:
     return tensor_path
 
 
-def validate_checkpoint(path: str | Path, *, verify_hashes: bool = True) -> ValidationReport:
-    """Every check, every problem: for ``tensorizer-manifest validate``. Never raises for bad input."""
+def validate_checkpoint(
+    path: str | Path, *, verify_hashes: bool = True, signing_key_file: str | os.PathLike | None = None
+) -> ValidationReport:
+    """Every check, every problem: for ``tensorizer-manifest validate``. Never raises for bad input.
+
+    ``signing_key_file`` (else ``$TENSORIZER_MANIFEST_SIGNING_KEY``) names the key
+    of a ``mac`` seal; with a key, only a seal made with it passes.
+    """
     try:
+        signing_key = signing_key_from(signing_key_file)
         manifest, manifest_path = load_manifest(path)
     except TensorizerManifestError as exc:
         return ValidationReport(None, None, problems=(Problem(type(exc), str(path), str(exc)),))
-    problems, by_key = check_manifest(manifest, manifest_path)
+    problems, by_key = check_manifest(manifest, manifest_path, signing_key)
+    warning = unsealed_warning(manifest) if signing_key is None else None
+    warnings = (f"{manifest_path}: {warning}",) if warning else ()
     records = len(manifest.ordered_records())
     try:
         tensor_path = resolve_tensor_file(manifest, manifest_path)
     except TensorizerManifestError as exc:
         problems.append(Problem(type(exc), str(manifest_path), str(exc)))
-        return ValidationReport(manifest_path, None, records, len(by_key), 0, tuple(problems))
+        return ValidationReport(manifest_path, None, records, len(by_key), 0, tuple(problems), warnings)
     problems += check_tensor_file(manifest, tensor_path, by_key)
     checked = 0
     if verify_hashes and not problems:
         problems, checked = _check_hashes(tensor_path, by_key)
-    return ValidationReport(manifest_path, tensor_path, records, len(by_key), checked, tuple(problems))
+    return ValidationReport(manifest_path, tensor_path, records, len(by_key), checked, tuple(problems), warnings)
 
 
 def _check_hashes(tensor_path: Path, by_key: dict[str, TensorRecord]) -> tuple[list[Problem], int]:

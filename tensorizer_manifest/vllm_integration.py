@@ -25,13 +25,13 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from .capture import Capture, CapturePolicy, Recorder
-from .checkpoint import checkpoint_stem, load_manifest
+from .checkpoint import checkpoint_stem, load_manifest, signing_key_from
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
-from .validate import check_files
+from .validate import check_files, unsealed_warning
 from .write import write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
@@ -72,6 +72,11 @@ class LoadOptions(BaseModel):
     checkpoint_dir: str | None = Field(None, description="Checkpoint directory, when not the model path.")
     num_readers: int | None = Field(
         None, ge=1, le=64, description="Parallel readers of the tensor file (default: one per core, at most 8)."
+    )
+    signing_key_file: str | None = Field(
+        None,
+        description="Path of the key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); "
+        "with a key, only a manifest sealed with it loads.",
     )
 
     @classmethod
@@ -138,8 +143,12 @@ class ManifestModelLoader(BaseModelLoader):
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
         checkpoint = Path(options.checkpoint_dir or model_config.model)
+        signing_key = signing_key_from(options.signing_key_file)
         manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config))
-        tensor_path = check_files(manifest, manifest_path)
+        tensor_path = check_files(manifest, manifest_path, signing_key)
+        unsealed = unsealed_warning(manifest) if signing_key is None else None
+        if unsealed:
+            logger.warning("%s: %s", manifest_path, unsealed)
         check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
         clock.lap("check_files")
 
@@ -232,13 +241,18 @@ class ManifestWorkerExtension:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    def save_tensorizer_manifest(self, output_dir: str, keep_capture: bool = False) -> dict:
+    def save_tensorizer_manifest(
+        self, output_dir: str, keep_capture: bool = False, signing_key_file: str | None = None
+    ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
         The capture holds a copy of every raw layer's pre-processing tensors; it
         is released after the save (so an engine that goes on serving gets that
-        memory back) unless ``keep_capture`` asks to save again later.
+        memory back) unless ``keep_capture`` asks to save again later. The
+        manifest is sealed with the key in ``signing_key_file`` (else
+        ``$TENSORIZER_MANIFEST_SIGNING_KEY``; a path travels to the workers, never the key).
         """
+        signing_key = signing_key_from(signing_key_file)
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
         if capture is None:
@@ -246,7 +260,7 @@ class ManifestWorkerExtension:
                 f"this engine was not loaded with load_format={CAPTURE_LOAD_FORMAT!r}, so the state before "
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
-        manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
+        manifest = write_checkpoint(capture, Path(output_dir), capture.stem, signing_key)
         if not keep_capture:
             delattr(model, _CAPTURE_ATTR)
         return {
@@ -255,6 +269,7 @@ class ManifestWorkerExtension:
             "bytes": manifest.tensor_file.size,
             "layers": len(manifest.modules),
             "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
+            "seal": manifest.seal.mode if manifest.seal is not None else None,
         }
 
     def tensorizer_manifest_report(self) -> dict | None:

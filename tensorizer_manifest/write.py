@@ -20,14 +20,16 @@ from .schema import (
     TENSORS_SUFFIX,
     Manifest,
     ModuleRecord,
+    SigningKey,
     TensorFileRef,
     TensorRecord,
     digest_records,
     encode_manifest,
     full_name,
     qualified_class,
+    seal_manifest,
 )
-from .tensor_file import head_hash, write_tensor_file
+from .tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
 from .tensors import make_record
 
 #: Files of a model directory that are weights, not configuration: never copied.
@@ -82,8 +84,11 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     return manifest, to_store
 
 
-def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
+def write_checkpoint(capture: Capture, out_dir: Path, stem: str, signing_key: SigningKey | None = None) -> Manifest:
     """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
+
+    The manifest is sealed last, over every field: keyed (``mac``) with
+    ``signing_key``, a plain ``digest`` without.
 
     Crash safety: the tensor file gets a new name derived from its content, so a
     checkpoint already at ``out_dir`` is never touched until the new manifest
@@ -103,7 +108,11 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
     try:
         write_tensor_file(tmp_tensors, to_store)
         manifest.tensor_file.size = tmp_tensors.stat().st_size
-        manifest.tensor_file.head_hash = head_hash(tmp_tensors)
+        index = read_index(tmp_tensors)
+        manifest.tensor_file.head_hash = head_hash(tmp_tensors, index)
+        manifest.tensor_file.prefix_size = prefix_size(index, manifest.tensor_file.size)
+        manifest.tensor_file.prefix_hash = prefix_hash(tmp_tensors, manifest.tensor_file.prefix_size)
+        manifest.seal = seal_manifest(manifest, signing_key)
         _fsync(tmp_tensors)
         os.replace(tmp_tensors, out_dir / tensor_name)
         tmp_manifest.write_bytes(encode_manifest(manifest))

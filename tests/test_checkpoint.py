@@ -50,3 +50,23 @@ def test_tensor_file_must_be_a_plain_name_inside_the_directory(tmp_path, name):
     manifest.tensor_file.path = name
     with pytest.raises(ManifestError, match="plain file name"):
         checkpoint.resolve_tensor_file(manifest, path)
+
+
+def test_the_signing_key_comes_from_the_option_else_the_environment(tmp_path, monkeypatch):
+    from tensorizer_manifest.errors import ConfigurationError
+
+    key = tmp_path / "key"
+    key.write_bytes(b"a" * 32)
+    monkeypatch.delenv("TENSORIZER_MANIFEST_SIGNING_KEY", raising=False)
+    assert checkpoint.signing_key_from(None) is None
+    assert checkpoint.signing_key_from(key) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", str(key))
+    assert checkpoint.signing_key_from(None) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", "a" * 64)  # the key itself, not its path
+    with pytest.raises(ConfigurationError, match=r"\$TENSORIZER_MANIFEST_SIGNING_KEY.*not the key itself") as info:
+        checkpoint.signing_key_from(None)
+    assert "a" * 64 not in str(info.value)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (checkpoint.MAX_SIGNING_KEY_BYTES + 1))
+    with pytest.raises(ConfigurationError, match="not a key file"):
+        checkpoint.signing_key_from(big)

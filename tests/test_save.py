@@ -25,3 +25,18 @@ def test_a_source_that_is_neither_a_directory_nor_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(CheckpointNotFoundError, match="not a local directory and not in the Hugging Face cache"):
         resolve_model_dir("no-such-org/no-such-model")
+
+
+def test_a_signing_key_file_is_checked_before_an_engine_starts(tmp_path, monkeypatch):
+    from tensorizer_manifest.save import signing_key_file_path
+
+    monkeypatch.delenv("TENSORIZER_MANIFEST_SIGNING_KEY", raising=False)
+    assert signing_key_file_path(None) is None
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    assert signing_key_file_path(str(key)) == str(key.resolve())
+    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", str(key))
+    assert signing_key_file_path(None) == str(key.resolve())  # the workers get a path, never the key
+    with pytest.raises(ConfigurationError, match="cannot be read"):
+        signing_key_file_path(str(tmp_path / "missing"))
+    assert SaveOptions.parse({"signing_key_file": str(key)}).signing_key_file == str(key)

@@ -37,6 +37,8 @@ def test_checked_in_v1_checkpoint_still_validates():
     report = validate_checkpoint(V1)
     assert report.ok, report.problems
     assert report.hashes_checked == 5
+    assert manifest.seal is None and manifest.tensor_file.prefix_size is None  # written before both existed
+    assert [w for w in report.warnings if "not sealed" in w], report.warnings
 
 
 def test_manifest_from_a_newer_format_is_refused_naming_both_versions():
@@ -132,3 +134,40 @@ def test_full_name_and_qualified_class():
     assert schema.full_name("model.norm", "weight") == "model.norm.weight"
     assert schema.qualified_class(ValueError) == "builtins.ValueError"
     assert schema.qualified_class(Path("x")).startswith("pathlib.")
+
+
+def _tiny_manifest() -> schema.Manifest:
+    data = (V1 / "model.manifest.json").read_bytes()
+    return schema.decode_manifest(data)
+
+
+def test_the_seal_covers_the_canonical_encoding_and_its_mode():
+    manifest = _tiny_manifest()
+    digest = schema.seal_manifest(manifest)
+    assert digest.mode == "digest" and digest.hash == schema.seal_hash(manifest, "digest")
+    manifest.seal = digest  # the seal itself is not part of what it covers
+    assert schema.seal_hash(manifest, "digest") == digest.hash
+    again = schema.decode_manifest(schema.encode_manifest(manifest))
+    assert schema.seal_hash(again, "digest") == digest.hash  # encode/decode keeps the canonical bytes
+    assert schema.canonical_bytes(again, "digest") == schema.canonical_bytes(manifest, "digest")
+    key = schema.SigningKey(b"0123456789abcdef")
+    mac = schema.seal_manifest(manifest, key)
+    other = schema.seal_manifest(manifest, schema.SigningKey(b"0123456789abcdeF"))
+    assert mac.mode == "mac" and mac.hash not in (digest.hash, other.hash)
+    manifest.modules[0].kernels = [schema.KernelRecord(owner="layer", attr="x", kernel_class="y.Z")]
+    assert schema.seal_hash(manifest, "digest") != digest.hash
+
+
+def test_a_signing_key_is_never_shown_or_pickled_and_not_too_short():
+    import pickle
+
+    from tensorizer_manifest.errors import ConfigurationError
+
+    key = schema.SigningKey(b"secret-secret-secret")
+    assert "secret" not in repr(key) and "secret" not in str(key)
+    with pytest.raises(TypeError):
+        pickle.dumps(key)
+    with pytest.raises(ConfigurationError, match="at least 16"):
+        schema.SigningKey(b"short")
+    long = schema.SigningKey(b"x" * 100_000)  # any length works: the MAC key is derived from it
+    assert long.mac(b"data").startswith("blake3:")

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from tensorizer_manifest.errors import IntegrityError
-from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index, write_tensor_file
+from tensorizer_manifest.tensor_file import (
+    TensorFileReader,
+    head_hash,
+    prefix_hash,
+    prefix_size,
+    read_index,
+    write_tensor_file,
+)
 from tensorizer_manifest.tensors import hash_tensor
 
 TENSORS = {
@@ -74,3 +81,23 @@ def test_reader_refuses_a_file_that_is_not_tensorizer(tmp_path):
     path.write_bytes(b"\0" * 4096)
     with pytest.raises(IntegrityError, match="tensorizer cannot open the file"):
         TensorFileReader(path)
+
+
+def test_the_prefix_is_all_tensorizer_reads_when_it_opens_a_file(tensor_path, tmp_path):
+    """tensorizer's file header and index end before the first tensor's own header: a file cut there still
+    opens, so a check of the prefix vouches for everything tensorizer parses before it reads a tensor."""
+    index = read_index(tensor_path)
+    size = tensor_path.stat().st_size
+    prefix = prefix_size(index, size)
+    assert 0 < prefix == min(e.header_offset for e in index.values()) < size
+    cut = tmp_path / "cut.tensors"
+    cut.write_bytes(tensor_path.read_bytes()[:prefix])
+    assert read_index(cut) == index
+
+
+def test_prefix_hash_reads_no_more_than_asked(tensor_path, tmp_path):
+    data = tensor_path.read_bytes()
+    changed = tmp_path / "changed.tensors"
+    changed.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    assert prefix_hash(changed, 100) == prefix_hash(tensor_path, 100) != prefix_hash(changed, 101)
+    assert prefix_hash(tensor_path, 10 * len(data)) == prefix_hash(tensor_path, len(data))  # a short file

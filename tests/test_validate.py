@@ -129,3 +129,305 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
         assert outcome["tokens"] is None, f"{case}: tokens were served from a damaged checkpoint"
         assert outcome["error"] == case.error, (case.name, outcome)
         assert re.search(case.gist, outcome["message"]), (case.name, outcome["message"])
+
+
+# --- the seal: every field of the manifest is bound ------------------------------------------
+
+SEAL_GIST = "modified after it was saved"
+#: Other values of the Literal fields, so that an edit of one still decodes.
+_LITERALS = [("raw", "processed"), ("parameter", "buffer"), ("bfloat16", "float16"), ("float32", "int32"),
+             ("int8", "uint8")]  # fmt: skip
+
+
+def _rich_checkpoint(pristine, directory):
+    """The synthetic checkpoint with plain values of every kind in runtime state and Parameter attributes, sealed."""
+    import msgspec
+
+    from tensorizer_manifest.schema import RuntimeAttr, decode_manifest, encode_manifest, seal_manifest
+
+    shutil.copytree(pristine, directory)
+    path = next(directory.glob("*.manifest.json"))
+    manifest = decode_manifest(path.read_bytes())
+    manifest.modules[0].runtime_state += [
+        RuntimeAttr(owner="layer", name=n, type=t, rebuilt_by="cpu_unquantized_gemm", value=v)
+        for n, t, v in [("scale", "float", 0.125), ("bits", "int", 8), ("on", "bool", True), ("kind", "str", "x"),
+                        ("dims", "tuple", [1, 2.5, "a", False])]
+    ]  # fmt: skip
+    manifest.modules[1].tensors[0].param_attrs = {"input_dim": 1, "packed": [0, 1], "scale": 0.5}
+    manifest.seal = seal_manifest(manifest)
+    path.write_bytes(encode_manifest(manifest))
+    assert validate_checkpoint(directory).ok
+    return directory, path, msgspec.json.decode(path.read_bytes())
+
+
+def _paths(node, prefix=()):
+    """Every value in a manifest document (containers too), except the seal and ``format_version`` (1 is
+    the only version that decodes)."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if prefix == () and key in ("seal", "format_version"):
+            continue
+        yield prefix + (key,), value
+        yield from _paths(value, prefix + (key,))
+
+
+def _edits(key, value, samples):
+    """Candidate edits of one value, same kind first; the first one that still decodes is used."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1]
+    if isinstance(value, float):
+        return [value + 0.5]
+    if isinstance(value, str):
+        others = [b for pair in _LITERALS for a, b in (pair, pair[::-1]) if a == value]
+        last = value[-1:] or "x"
+        return [*others, value[:-1] + ("1" if last != "1" else "2"), value + "x"]
+    if value is None:
+        return ["torch.nn.parameter.Parameter", "x", True, 1, 1.5, [1]]
+    if isinstance(value, list):
+        if not value:
+            return [[samples[key]]] if key in samples else [[1], ["x"]]
+        return [[*value, value[0]], value[:-1]]
+    if key == "param_attrs":
+        return [{**value, "added": 1}]
+    return []  # a struct: its fields are edited one by one
+
+
+def test_every_single_field_edit_is_refused_by_the_seal(pristine, tmp_path):
+    """Walk the whole manifest: each value (every kind, every struct, runtime values, kernels, the fingerprint,
+    the producer) edited alone and re-encoded is refused offline, by the seal itself."""
+    import copy
+
+    import msgspec
+
+    from tensorizer_manifest.schema import decode_manifest
+
+    directory, path, doc = _rich_checkpoint(pristine, tmp_path / "ckpt")
+    original = decode_manifest(path.read_bytes())
+    samples = {}
+    for p, value in _paths(doc):
+        if isinstance(value, list) and value and isinstance(p[-1], str):
+            samples.setdefault(p[-1], copy.deepcopy(value[0]))
+    edited, kinds, undecodable = 0, set(), []
+    for p, value in _paths(doc):
+        key = p[-1] if isinstance(p[-1], str) else p[-2]
+        candidates = _edits(key, value, samples)
+        if not candidates:
+            continue
+        for new in candidates:
+            changed = copy.deepcopy(doc)
+            parent = changed
+            for part in p[:-1]:
+                parent = parent[part]
+            parent[p[-1]] = new
+            data = msgspec.json.encode(changed)
+            try:
+                if decode_manifest(data) != original:
+                    break
+            except errors.ManifestError:
+                continue
+        else:
+            undecodable.append(p)
+            continue
+        path.write_bytes(data)
+        report = validate_checkpoint(directory, verify_hashes=False)
+        assert report.problems and report.problems[0].kind is errors.IntegrityError, (p, new, report.problems)
+        assert SEAL_GIST in report.problems[0].message, (p, new, report.problems[0])
+        edited += 1
+        kinds.add(type(value).__name__)
+    assert not undecodable, f"no edit of these decodes: {undecodable}"
+    assert kinds == {"str", "int", "bool", "float", "list", "dict", "NoneType"}, kinds
+    assert edited > 150, edited
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda doc: doc.update(producer="tensorizer-manifest 9"), id="producer"),
+        pytest.param(lambda doc: doc["modules"][0]["kernels"][0].update(kernel_class="x.Y"), id="kernel-class"),
+        pytest.param(lambda doc: doc["modules"][0]["runtime_state"][1].update(value=0.25), id="runtime-value"),
+        pytest.param(lambda doc: doc["fingerprint"].update(revision="main"), id="fingerprint"),
+    ],
+)
+def test_the_loader_checks_refuse_an_edited_manifest(pristine, tmp_path, edit):
+    directory, path, doc = _rich_checkpoint(pristine, tmp_path / "ckpt")
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    manifest, manifest_path = load_manifest(directory)
+    with pytest.raises(errors.IntegrityError, match=SEAL_GIST):
+        check_files(manifest, manifest_path)
+
+
+@pytest.fixture
+def key_files(tmp_path):
+    good, other, short = tmp_path / "good.key", tmp_path / "other.key", tmp_path / "short.key"
+    good.write_bytes(b"k" * 31 + b"\n")
+    other.write_bytes(b"k" * 31 + b"\r")
+    short.write_bytes(b"k" * 15)
+    return good, other, short
+
+
+@pytest.fixture
+def mac_checkpoint(tmp_path, key_files):
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.checkpoint import read_signing_key
+    from tensorizer_manifest.write import write_checkpoint
+
+    directory = tmp_path / "mac"
+    write_checkpoint(make_capture(), directory, "model", read_signing_key(key_files[0]))
+    return directory
+
+
+def test_a_mac_manifest_passes_with_its_key_only(mac_checkpoint, key_files, monkeypatch):
+    good, other, _ = key_files
+    monkeypatch.delenv("TENSORIZER_MANIFEST_SIGNING_KEY", raising=False)
+    assert json.loads(next(mac_checkpoint.glob("*.manifest.json")).read_text())["seal"]["mode"] == "mac"
+    report = validate_checkpoint(mac_checkpoint, signing_key_file=good)
+    assert report.ok and not report.warnings, report.problems
+    without = validate_checkpoint(mac_checkpoint)
+    assert [p.kind for p in without.problems] == [errors.ConfigurationError]
+    assert "--signing-key-file" in without.problems[0].message
+    wrong = validate_checkpoint(mac_checkpoint, signing_key_file=other)  # differs in its last byte only
+    assert [p.kind for p in wrong.problems] == [errors.IntegrityError]
+    assert "signing key is not the one" in wrong.problems[0].message
+    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", str(good))
+    assert validate_checkpoint(mac_checkpoint).ok
+    manifest, manifest_path = load_manifest(mac_checkpoint)
+    from tensorizer_manifest.checkpoint import read_signing_key
+
+    check_files(manifest, manifest_path, read_signing_key(good))
+    with pytest.raises(errors.ConfigurationError, match="sealed with a signing key"):
+        check_files(manifest, manifest_path)
+
+
+def test_a_mac_manifest_edited_and_resealed_without_the_key_is_refused(mac_checkpoint, key_files):
+    """Who can write the manifest but lacks the key can only make a digest seal, which a key refuses."""
+    from helpers.bad_inputs import reseal
+
+    path = next(mac_checkpoint.glob("*.manifest.json"))
+    doc = json.loads(path.read_text())
+    doc["modules"][0]["kernels"][0]["kernel_class"] = "evil.Kernel"
+    reseal(doc)
+    path.write_text(json.dumps(doc))
+    report = validate_checkpoint(mac_checkpoint, signing_key_file=key_files[0])
+    assert [p.kind for p in report.problems] == [errors.IntegrityError]
+    assert "plain digest" in report.problems[0].message
+    doc["seal"]["mode"] = "mac"  # a digest passed off as a MAC
+    path.write_text(json.dumps(doc))
+    report = validate_checkpoint(mac_checkpoint, signing_key_file=key_files[0])
+    assert "signing key is not the one" in report.problems[0].message
+
+
+def test_an_unsealed_manifest_is_a_warning_without_a_key_and_refused_with_one(pristine, tmp_path, key_files):
+    d = tmp_path / "ckpt"
+    shutil.copytree(pristine, d)
+    path = next(d.glob("*.manifest.json"))
+    doc = json.loads(path.read_text())
+    doc.pop("seal")  # as 0.2.0 wrote it
+    path.write_text(json.dumps(doc))
+    report = validate_checkpoint(d)
+    assert report.ok and len(report.warnings) == 1 and "not sealed" in report.warnings[0]
+    assert report.to_dict()["warnings"] == list(report.warnings)
+    refused = validate_checkpoint(d, signing_key_file=key_files[0])
+    assert [p.kind for p in refused.problems] == [errors.IntegrityError] and "not sealed" in str(refused.problems[0])
+    cli = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d), "--no-hashes"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "300", "PATH": ""},
+    )
+    assert cli.returncode == 0 and "warning" in cli.stderr and "not sealed" in cli.stderr, cli.stderr
+
+
+def test_the_key_never_shows(mac_checkpoint, key_files, tmp_path):
+    good, other, short = key_files
+    secret = good.read_bytes().decode().strip()
+    messages = [str(p) for p in validate_checkpoint(mac_checkpoint, signing_key_file=other).problems]
+    messages += [str(p) for p in validate_checkpoint(mac_checkpoint, signing_key_file=short).problems]
+    as_path = tmp_path / secret  # a key pasted where its path belongs
+    messages += [str(p) for p in validate_checkpoint(mac_checkpoint, signing_key_file=as_path).problems]
+    assert len(messages) == 3 and "at least 16" in messages[1] and "not the key itself" in messages[2]
+    assert not any(secret in m for m in messages), messages
+    assert secret not in next(mac_checkpoint.glob("*.manifest.json")).read_text()
+    cli = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(mac_checkpoint), "--signing-key-file",
+         str(good), "--json"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert cli.returncode == 0 and secret not in cli.stdout + cli.stderr, cli.stderr
+
+
+# --- the tensor file's prefix: checked before tensorizer parses it ------------------------------
+
+
+def _index_length_offset(data: bytes, prefix_size: int) -> int:
+    """Where tensorizer's file header stores the length of its index (which runs to ``prefix_size``)."""
+    return next(o for o in range(prefix_size - 8) if int.from_bytes(data[o : o + 8], "little") == prefix_size - o - 8)
+
+
+def _claim_a_huge_index(directory, claim: int) -> None:
+    manifest, _ = load_manifest(directory)
+    tensor_path = directory / manifest.tensor_file.path
+    data = bytearray(tensor_path.read_bytes())
+    at = _index_length_offset(bytes(data), manifest.tensor_file.prefix_size)
+    data[at : at + 8] = claim.to_bytes(8, "little")
+    tensor_path.write_bytes(bytes(data))
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+CLAIM = 256 << 20
+
+
+def test_a_damaged_index_length_is_refused_before_tensorizer_allocates_it(pristine, tmp_path, monkeypatch):
+    """No address-space cap: peak memory stays within the recorded prefix (read in bounded chunks), and
+    tensorizer's deserializer is never built."""
+    import tensorizer
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(pristine, d)
+    _claim_a_huge_index(d, CLAIM)
+    prefix = load_manifest(d)[0].tensor_file.prefix_size
+    built = []
+    monkeypatch.setattr(tensorizer, "TensorDeserializer", lambda *a, **k: built.append(a) or 1 / 0)
+    reports = []
+    peak = _peak_bytes(lambda: reports.append(validate_checkpoint(d)))
+    assert [p.kind for p in reports[0].problems] == [errors.IntegrityError]
+    assert "checked before tensorizer reads it" in reports[0].problems[0].message
+    manifest, manifest_path = load_manifest(d)
+
+    def loader_checks():
+        with pytest.raises(errors.IntegrityError, match="checked before tensorizer reads it"):
+            check_files(manifest, manifest_path)
+
+    peak = max(peak, _peak_bytes(loader_checks))
+    assert not built, "tensorizer opened a file whose header was not checked"
+    assert peak < prefix + (2 << 20), f"peak {peak} bytes for a {prefix} byte prefix"
+
+
+def test_without_a_recorded_prefix_tensorizer_allocates_what_the_index_claims(pristine, tmp_path):
+    """The control (a 0.2.0 manifest: no prefix, no seal): tensorizer believes the damaged length."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(pristine, d)
+    _claim_a_huge_index(d, CLAIM)
+    path = next(d.glob("*.manifest.json"))
+    doc = json.loads(path.read_text())
+    doc.pop("seal")
+    doc["tensor_file"].update(prefix_size=None, prefix_hash=None)
+    path.write_text(json.dumps(doc))
+    reports = []
+    peak = _peak_bytes(lambda: reports.append(validate_checkpoint(d, verify_hashes=False)))
+    assert not reports[0].ok
+    assert peak >= CLAIM, peak

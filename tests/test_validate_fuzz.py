@@ -14,16 +14,16 @@ three entry points that read untrusted files:
 On top of "no untyped exception" each property has an oracle for "no damage
 reported ok":
 
-* a manifest reported ok must agree with the pristine one on every field the
-  validator binds to the tensor file (``bound_view``); a change to a record's
-  ``hash``, ``shape`` or ``dtype`` (stored, alias or empty) or to
-  ``tensor_file.size`` is always reported;
+* a manifest reported ok must decode to the pristine one (``bound_view``: the
+  seal binds every field); a change to a record's ``hash``, ``shape`` or
+  ``dtype`` (stored, alias or empty) or to ``tensor_file.size`` is always
+  reported, even when the manifest is re-sealed;
 * a tensor file that differs from the pristine one in any byte is never
   reported ok; damage to its size or to any byte that is not tensor data
   (tensorizer's header, index, per-tensor headers, trailing bytes) is caught by
   the metadata-only checks that ``check_files`` runs, and what ``check_files``
   passes the loader's reader can read; when the manifest is re-bound to the
-  damaged file (its size and head hash updated, as if it had been saved so),
+  damaged file (its size, prefix and head hash updated and re-sealed, as if it had been saved so),
   an ok report means every tensor reads back bit-identical.
 
 The bugs this fuzzer found have minimal tests at the end of this file: plain
@@ -52,6 +52,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, note, settings
@@ -70,9 +71,16 @@ from tensorizer_manifest.schema import (  # noqa: E402
     MANIFEST_SUFFIX,
     Manifest,
     decode_manifest,
-    full_name,  # noqa: E402
+    encode_manifest,
+    seal_manifest,
 )
-from tensorizer_manifest.tensor_file import TensorFileReader, head_hash, read_index  # noqa: E402
+from tensorizer_manifest.tensor_file import (  # noqa: E402
+    TensorFileReader,
+    head_hash,
+    prefix_hash,
+    prefix_size,
+    read_index,
+)
 from tensorizer_manifest.tensors import tensor_bytes  # noqa: E402
 from tensorizer_manifest.validate import ValidationReport, check_files, validate_checkpoint  # noqa: E402
 
@@ -148,33 +156,10 @@ def pristine() -> Pristine:
     )
 
 
-def bound_view(manifest: Manifest) -> tuple:
-    """Every field ``validate_checkpoint`` ties to the tensor file; an ok report means these are pristine.
-
-    That is each record's full name, kind, dtype, shape, stride, storage offset,
-    byte count, file key, alias target and content hash (stored or not), and the
-    tensor file entry. Not bound, by design: the fingerprint (checked against the
-    engine at load), module classes, kernels, runtime state, ``persistent``,
-    ``requires_grad``, parameter classes and attributes, and ``head_hash``
-    (optional).
-    """
-    records = []
-    for module in manifest.modules:
-        for t in module.tensors:
-            form = (
-                t.kind,
-                t.dtype,
-                tuple(t.shape),
-                tuple(t.stride),
-                t.storage_offset,
-                t.nbytes,
-                t.key,
-                t.alias_of,
-                t.hash,
-            )
-            records.append((full_name(module.path, t.name), form))
-    tf = manifest.tensor_file
-    return (manifest.format_version, tf.path, tf.size, tf.tensor_count, tf.digest, tuple(records))
+def bound_view(manifest: Manifest) -> bytes:
+    """Every field: the seal binds the whole manifest, so an ok report means the decoded manifest is the
+    pristine one (textual differences that decode the same, such as ``1`` for ``1.0``, are no edit)."""
+    return msgspec.json.encode(manifest)
 
 
 def write_case(directory: Path, manifest: bytes | None = None, tensors: bytes | None = None) -> Path:
@@ -624,10 +609,14 @@ def protected_edits(draw) -> ManifestCase:
 
 
 def check_protected_edit(case: ManifestCase) -> None:
-    manifest = case.encode()
-    with tempfile.TemporaryDirectory(prefix="tm-fuzz-") as tmp:
-        report, _ = run_entry_points(write_case(Path(tmp), manifest=manifest), manifest)
-    assert not report.ok, f"{case.edits[0]} was reported ok"
+    from helpers.bad_inputs import reseal
+
+    resealed = copy.deepcopy(case.doc)
+    reseal(resealed)  # as anyone can: these fields are bound to the tensor file, not only by the seal
+    for manifest in (case.encode(), json.dumps(resealed, indent=1).encode()):
+        with tempfile.TemporaryDirectory(prefix="tm-fuzz-") as tmp:
+            report, _ = run_entry_points(write_case(Path(tmp), manifest=manifest), manifest)
+        assert not report.ok, f"{case.edits[0]} was reported ok"
 
 
 @FUZZ
@@ -780,15 +769,22 @@ def check_tensor_bytes(case: BytesCase) -> None:
         if not case.rebind:  # (re-binding hashes the damaged file, which meets the bug first, and drops the head hash)
             steer_around_open_bugs(tensor_path)
         if case.rebind:
-            # The manifest now describes the damaged file's size and head: as if the damage lay
-            # beyond the hashed head of a large file. Only the index checks and content hashes remain.
-            doc = copy.deepcopy(p.doc)
-            doc["tensor_file"]["size"] = len(case.data)
+            # The manifest now describes the damaged file's size, prefix and head, and is sealed anew: as
+            # if the damage lay beyond the hashed head of a large file. Only the index checks and content
+            # hashes remain (and tensorizer parses a prefix the manifest vouches for: the memory cap stays).
+            rebound = decode_manifest(p.manifest)
+            ref = rebound.tensor_file
+            ref.size = len(case.data)
             try:
-                doc["tensor_file"]["head_hash"] = head_hash(tensor_path)
-            except Exception:  # head_hash reads tensorizer's index to find where the head ends
-                doc["tensor_file"]["head_hash"] = None
-            manifest = json.dumps(doc, indent=1).encode()
+                with memory_cap():
+                    index = read_index(tensor_path)
+                ref.head_hash = head_hash(tensor_path, index)
+                ref.prefix_size = min(prefix_size(index, ref.size), ref.size)
+                ref.prefix_hash = prefix_hash(tensor_path, ref.prefix_size)
+            except Exception:  # tensorizer cannot read the damaged index: record neither
+                ref.head_hash = ref.prefix_size = ref.prefix_hash = None
+            rebound.seal = seal_manifest(rebound)
+            manifest = encode_manifest(rebound)
             (directory / p.manifest_name).write_bytes(manifest)
         report, error = run_entry_points(directory, manifest)
         note_problems(report)

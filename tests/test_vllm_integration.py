@@ -19,6 +19,11 @@ def test_loader_options_are_validated():
     LoadConfig.model_loader_extra_config = {"verfy_hashes": False}
     with pytest.raises(ConfigurationError, match="verfy_hashes"):
         LoadOptions.from_load_config(LoadConfig())
+    LoadConfig.model_loader_extra_config = {"signing_key_file": "/keys/model.key"}
+    assert LoadOptions.from_load_config(LoadConfig()).signing_key_file == "/keys/model.key"
+    LoadConfig.model_loader_extra_config = {"signing_key": "abc"}  # the key itself is not an option
+    with pytest.raises(ConfigurationError, match="signing_key"):
+        LoadOptions.from_load_config(LoadConfig())
 
 
 def test_plugin_registers_both_load_formats_once():

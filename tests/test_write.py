@@ -458,3 +458,21 @@ def test_leftover_temporary_files_do_not_confuse_lookup(tmp_path):
     report = validate_checkpoint(lone)
     assert not report.ok
     assert [p.kind for p in report.problems] == [CheckpointNotFoundError]
+
+
+def test_the_manifest_records_the_prefix_and_is_sealed_last(tmp_path):
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.schema import SigningKey, seal_hash
+    from tensorizer_manifest.tensor_file import prefix_hash, prefix_size, read_index
+    from tensorizer_manifest.write import write_checkpoint
+
+    manifest = write_checkpoint(make_capture(), tmp_path / "a", "model")
+    tensor_path = tmp_path / "a" / manifest.tensor_file.path
+    ref = manifest.tensor_file
+    assert ref.prefix_size == prefix_size(read_index(tensor_path), ref.size) < ref.size
+    assert ref.prefix_hash == prefix_hash(tensor_path, ref.prefix_size)
+    assert manifest.seal.mode == "digest" and manifest.seal.hash == seal_hash(manifest, "digest")
+    key = SigningKey(b"k" * 32)
+    signed = write_checkpoint(make_capture(), tmp_path / "b", "model", key)
+    assert signed.seal.mode == "mac" and signed.seal.hash == seal_hash(signed, "mac", key)

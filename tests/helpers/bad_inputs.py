@@ -4,6 +4,10 @@
 who must refuse it: ``offline`` cases are refused by ``validate`` with no engine
 (and by the loader); ``engine`` cases need the loading engine's settings (they are
 refused by ``validate`` given those settings, and by the loader).
+
+Manifest edits are re-sealed (as anyone can recompute a ``digest`` seal), so that
+each case reaches the rule it is about; ``manifest-edited-after-save`` is the one
+edit left unsealed, refused by the seal itself.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from tensorizer_manifest.errors import ManifestError
+from tensorizer_manifest.schema import decode_manifest, seal_manifest
 from tensorizer_manifest.tensor_file import read_index
 
 
@@ -37,11 +45,22 @@ def _tensor_path(d: Path) -> Path:
     return d / json.loads(_manifest_path(d).read_text())["tensor_file"]["path"]
 
 
-def _edit(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+def reseal(doc: dict) -> None:
+    """Seal an edited manifest document anew (a ``digest``), when it still decodes."""
+    try:
+        manifest = decode_manifest(json.dumps(doc).encode())
+    except ManifestError:
+        return  # refused while decoding, before its seal is read
+    doc["seal"] = msgspec.to_builtins(seal_manifest(manifest))
+
+
+def _edit(fn: Callable[[dict], None], sealed: bool = True) -> Callable[[Path], None]:
     def mutate(d: Path) -> None:
         path = _manifest_path(d)
         doc = json.loads(path.read_text())
         fn(doc)
+        if sealed:
+            reseal(doc)
         path.write_text(json.dumps(doc))
 
     return mutate
@@ -119,6 +138,7 @@ def _other_checkpoint_manifest(d: Path) -> None:
     write_synthetic_checkpoint(other, seed=1234)
     doc = json.loads(_manifest_path(other).read_text())
     doc["tensor_file"]["path"] = _tensor_path(d).name
+    reseal(doc)
     _manifest_path(d).write_text(json.dumps(doc))
 
 
@@ -201,6 +221,18 @@ BAD_INPUTS: list[BadInput] = [
         "missing required field `hash`",
     ),
     BadInput("manifest-unknown-field", _edit(_set(["surprise"], 1)), "ManifestError", "unknown field `surprise`"),
+    BadInput(
+        "manifest-edited-after-save",
+        _edit(_set(["producer"], "someone else"), sealed=False),
+        "IntegrityError",
+        "modified after it was saved",
+    ),
+    BadInput(
+        "manifest-seal-forged",
+        _edit(_set(["seal", "hash"], "blake3:" + "0" * 64), sealed=False),
+        "IntegrityError",
+        "modified after it was saved",
+    ),
     BadInput(
         "manifest-wrong-type",
         _edit(_set(["modules"], "all")),
