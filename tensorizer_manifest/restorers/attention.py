@@ -19,6 +19,7 @@ class AttentionScalesRestorer(Restorer):
     handles = (
         "vllm.model_executor.layers.attention.attention.Attention",
         "vllm.model_executor.layers.quantization.kv_cache.BaseKVCacheMethod",
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsKVCacheMethod",
     )
     verified_on = frozenset({"cpu"})
     rebuilds = "the float and host copies of the q/k/v/prob scales (calibrated KV scales kept, not reset)"
