@@ -176,6 +176,31 @@ def init_moe_kernel(quant_method: Any, layer: Any) -> None:
     init(layer)
 
 
+# --- GPU kernels (unverified restorers: see docs/kernels.md) -------------------------------------
+
+
+def run_pre_processed_step(quant_method: Any, layer: Any) -> None:
+    """vLLM's own pre-processed branch of a quant method's post-load step: the step run under vLLM's
+    ``weights_already_processed()``, which rebuilds kernels and flags without transforming tensors
+    (what vLLM's weight-cache loader uses). Refused where the method does not declare support."""
+    from vllm.model_executor import utils
+
+    already_processed = getattr(utils, "weights_already_processed", None)
+    if already_processed is None:
+        raise _gone("model_executor.utils.weights_already_processed (the pre-processed branch)")
+    if not getattr(quant_method, "supports_pre_processed_weights", False):
+        raise UnsupportedModelError(
+            f"{type(quant_method).__name__} does not declare supports_pre_processed_weights in vLLM {vllm_version()}"
+        )
+    with already_processed():
+        quant_method.process_weights_after_loading(layer)
+
+
+def retains_nvfp4_weight_for_gather(module: Any) -> bool:
+    """Layers vLLM marks to keep NVFP4 copies for a gathered projection (a flag vLLM sets on the layer)."""
+    return bool(getattr(module, "_retain_weight_for_gather", False))
+
+
 # --- engine facts --------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..layers import LayerDiff
-from ..schema import REPLAY_NONE, REPLAY_POST_LOAD
+from ..schema import REPLAY_NONE, REPLAY_POST_LOAD, qualified_class
 
 
 class Restorer:
@@ -90,6 +90,29 @@ def register(restorer: Restorer) -> Restorer:
 def known_replays() -> set[str]:
     """Every value a manifest's ``replay`` may have with the restorers installed here."""
     return {REPLAY_POST_LOAD, REPLAY_NONE, *RESTORERS}
+
+
+def device_capability() -> int | None:
+    """This machine's GPU compute capability as vLLM reads it (``90`` for sm_90); None without a GPU.
+
+    Part of the ``form`` of GPU restorers: vLLM picks kernels and weight layouts by it.
+    """
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return None if capability is None else int(capability.to_int())
+
+
+def layer_kernel(module: torch.nn.Module, attr: str, class_names: set[str]) -> tuple[str, Any] | None:
+    """``(owner, kernel)``: the kernel object named ``attr`` on the layer's quant method or scheme, when its
+    class is one of ``class_names`` (qualified). ``owner`` is the name the capture's diff gives the kernel's
+    own attributes (``quant_method.kernel``, ``scheme.kernel``)."""
+    for owner_name in ("quant_method", "scheme"):
+        owner = getattr(module, owner_name, None) if owner_name == "quant_method" else module.__dict__.get("scheme")
+        kernel = getattr(owner, attr, None) if owner is not None else None
+        if kernel is not None and qualified_class(kernel) in class_names:
+            return f"{owner_name}.{attr}", kernel
+    return None
 
 
 def find_restorer(module: torch.nn.Module, diff: LayerDiff) -> tuple[Restorer | None, str]:
