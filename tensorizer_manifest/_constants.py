@@ -19,3 +19,6 @@ WORKER_EXTENSION = "tensorizer_manifest.vllm_integration.ManifestWorkerExtension
 
 #: Set to ``fallback`` to keep CPU linear weights (vLLM's torch path instead of oneDNN), in every process.
 CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
+#: Directory for the nameless temporary file that holds pre-step tensors while saving (default: the temp dir;
+#: ``save_checkpoint`` sets it to the output's filesystem).
+SPILL_DIR_ENV = "TENSORIZER_MANIFEST_SPILL_DIR"
