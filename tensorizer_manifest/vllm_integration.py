@@ -170,12 +170,23 @@ class CaptureModelLoader(DefaultModelLoader):
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_step) -> None:
-            recorder = Recorder(model)
-            run_step()
+            recorder = Recorder(model)  # pre-step copies go to a nameless file in $TENSORIZER_MANIFEST_SPILL_DIR
+            try:
+                run_step()
+            except BaseException:
+                recorder.close()
+                raise
             captured.append(recorder.finish(fingerprint))
 
-        with _vllm_compat.observe_post_load(observe):
-            model = super().load_model(vllm_config, model_config, prefix)
+        try:
+            with _vllm_compat.observe_post_load(observe):
+                model = super().load_model(vllm_config, model_config, prefix)
+        except BaseException:
+            for capture in captured:
+                capture.close()
+            raise
+        for stale in captured[:-1]:
+            stale.close()
         if not captured:
             raise UnsupportedModelError(
                 f"vLLM {_vllm_compat.vllm_version()}'s default loader did not run its post-load step where "
@@ -210,9 +221,10 @@ class ManifestWorkerExtension:
     def save_tensorizer_manifest(self, output_dir: str, keep_capture: bool = False) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
-        The capture holds a copy of every raw layer's pre-processing tensors; it
-        is released after the save (so an engine that goes on serving gets that
-        memory back) unless ``keep_capture`` asks to save again later.
+        The capture holds a copy of every raw layer's pre-processing tensors (in a
+        nameless temporary file, not in memory); it is released after the save (so
+        an engine that goes on serving gets that disk space back) unless
+        ``keep_capture`` asks to save again later.
         """
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
@@ -221,9 +233,12 @@ class ManifestWorkerExtension:
                 f"this engine was not loaded with load_format={CAPTURE_LOAD_FORMAT!r}, so the state before "
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
-        manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
-        if not keep_capture:
-            delattr(model, _CAPTURE_ATTR)
+        try:
+            manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
+        finally:
+            if not keep_capture:
+                delattr(model, _CAPTURE_ATTR)
+                capture.close()
         return {
             "manifest": str(Path(output_dir) / (capture.stem + MANIFEST_SUFFIX)),
             "tensor_file": manifest.tensor_file.path,
