@@ -234,7 +234,7 @@ class ManifestWorkerExtension:
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
         try:
-            manifest = write_checkpoint(capture, Path(output_dir), capture.stem)
+            manifest = write_checkpoint(capture, Path(output_dir), capture.stem, release=not keep_capture)
         finally:
             if not keep_capture:
                 delattr(model, _CAPTURE_ATTR)

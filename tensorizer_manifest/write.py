@@ -100,7 +100,7 @@ def stored_tensors(to_store: list[tuple[str, TensorSlot]]) -> Iterator[tuple[str
         yield key, slot.data(buffer)
 
 
-def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
+def write_checkpoint(capture: Capture, out_dir: Path, stem: str, release: bool = False) -> Manifest:
     """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
 
     Crash safety: the tensor file gets a new name derived from its content, so a
@@ -109,6 +109,10 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
     directory holds either the old complete checkpoint or the new one; at worst
     beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
     tensor file, both removed by the next save.
+
+    ``release`` closes the capture's pre-step copies as soon as the tensor file is
+    written, so that their dirty pages are dropped instead of competing with the
+    ``fsync`` for the disk.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temporaries(out_dir, stem)
@@ -120,6 +124,8 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str) -> Manifest:
     tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
     try:
         write_tensor_file(tmp_tensors, stored_tensors(to_store))
+        if release:
+            capture.close()
         manifest.tensor_file.size = tmp_tensors.stat().st_size
         manifest.tensor_file.head_hash = head_hash(tmp_tensors)
         _fsync(tmp_tensors)
