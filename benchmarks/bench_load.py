@@ -21,7 +21,9 @@ For each: the whole ``LLM()``, ``load_model`` and its split, and peak RSS. Paths
 round (so each pair meets the same machine), and ratios are taken per round, then summarised as
 median, min and max. Machine references, measured in the same run: reading the large tensor file into
 fresh memory with one and with two threads, into touched memory, and blake3 on one core.
-Saving is measured too (time and peak RSS of ``save_checkpoint``). Figures, never assertions.
+Saving is measured too (time and peak RSS of ``save_checkpoint``, and the peak per phase: vLLM's own load,
+then the capture and the write; run one with ``bench_load.py child save MODEL_DIR OUT_DIR``, with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Figures, never assertions.
 Writes ``--out`` (JSON) and, with matplotlib (``make bench`` installs it), ``--plot`` (PNG).
 """
 
@@ -128,6 +130,38 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class _RssPhases:
+    """Peak resident memory (MB) per phase of a save, sampled every 20 ms from ``/proc/self/status``.
+
+    ``load``: vLLM's loader until the capture starts (its safetensors are mmapped: ``file`` counts those
+    pages); ``capture``: from the snapshot before the post-load step to the end of the save.
+    """
+
+    def __init__(self) -> None:
+        self.phase = "load"
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            now = {}
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmRSS", "RssAnon", "RssFile"):
+                        now[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[key]] = int(value.split()[0]) // 1024
+            peak = self.peaks.setdefault(self.phase, {"rss": 0, "anon": 0, "file": 0})
+            for key, value in now.items():
+                peak[key] = max(peak[key], value)
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+
 class _Timer:
     """Wraps functions to add up the seconds spent in them (in this process)."""
 
@@ -154,9 +188,20 @@ def child(argv: list[str]) -> dict:
 
         if os.environ.get("TENSORIZER_MANIFEST_CPU_GEMM") == "fallback":
             apply_cpu_gemm("fallback")
+        from tensorizer_manifest import capture
+
+        phases = _RssPhases()
+        recorder_init = capture.Recorder.__init__
+
+        def marked(self, *args, **kwargs):
+            phases.phase = "capture"
+            recorder_init(self, *args, **kwargs)
+
+        capture.Recorder.__init__ = marked
         start = time.perf_counter()
         save_checkpoint(argv[1], argv[2], dtype="bfloat16", max_model_len=128)
-        return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
     if mode == "native":
         from vllm import LLM
 

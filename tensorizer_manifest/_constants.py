@@ -22,3 +22,7 @@ CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
 
 #: Path of a signing key file, used when no ``signing_key_file`` option is given (save, load, validate).
 SIGNING_KEY_ENV = "TENSORIZER_MANIFEST_SIGNING_KEY"
+
+#: Directory for the nameless temporary file that holds pre-step tensors while saving (default: the temp dir;
+#: ``save_checkpoint`` sets it to the output's filesystem).
+SPILL_DIR_ENV = "TENSORIZER_MANIFEST_SPILL_DIR"

@@ -18,6 +18,7 @@ from .errors import UnsupportedModelError
 from .layers import (
     LayerDiff,
     ModuleSnapshot,
+    PreStepCopies,
     TensorSlot,
     describe,
     diff_snapshots,
@@ -28,6 +29,7 @@ from .layers import (
 )
 from .restorers import Restorer, find_restorer
 from .schema import REPLAY_NONE, REPLAY_POST_LOAD, Fingerprint, KernelRecord, LayerState, RuntimeAttr, plain_value
+from .spill import SpillFile
 
 
 @dataclass
@@ -73,6 +75,13 @@ class Capture:
     fingerprint: Fingerprint
     layers: list[CapturedLayer]
     stem: str = "model"
+    spill: SpillFile | None = None
+    """Holds raw layers' pre-step tensors (their slots' ``stored``) until ``close``."""
+
+    def close(self) -> None:
+        """Release the pre-step copies; the capture cannot be written after this."""
+        if self.spill is not None:
+            self.spill.close()
 
 
 def runtime_attrs(diff: LayerDiff, rebuilt_by: str) -> list[RuntimeAttr]:
@@ -130,24 +139,50 @@ def classify(
 
 
 class Recorder:
-    """Snapshots the whole model before the post-load step and classifies it after."""
+    """Snapshots the whole model before the post-load step and classifies it after.
 
-    def __init__(self, model: torch.nn.Module, policy: CapturePolicy = CapturePolicy()):
+    The tensors of layers with a post-load step are copied before it into a
+    nameless temporary file in ``spill_dir`` (``spill.SpillFile``), not into
+    memory: the capture it returns owns that file, and ``Capture.close`` (or an
+    error here) frees it.
+    """
+
+    def __init__(self, model: torch.nn.Module, spill_dir: str | None = None, policy: CapturePolicy = CapturePolicy()):
         refuse_model_level_hook(model)
         self.model = model
         self.policy = policy
-        self._clones: dict[int, torch.Tensor] = {}
-        self.before = {
-            path: snapshot_module(module, self._clones if has_post_load(module) else None)
-            for path, module in self._layers()
-        }
+        self.spill = SpillFile(spill_dir)
+        try:
+            self._copies = PreStepCopies(self.spill)
+            self.before = {
+                path: snapshot_module(module, self._copies if has_post_load(module) else None)
+                for path, module in self._layers()
+            }
+        except BaseException:
+            self.close()
+            raise
 
     def _layers(self):
         """Every module but quant methods that are modules themselves: their state is their layer's."""
         owned = owned_quant_methods(self.model)
         return [(path, module) for path, module in self.model.named_modules() if id(module) not in owned]
 
+    def close(self) -> None:
+        """Free the pre-step copies (after an error; a finished capture owns them)."""
+        self.before = {}
+        self.spill.close()
+
     def finish(self, fingerprint: Fingerprint) -> Capture:
+        try:
+            layers = self._classify()
+        except BaseException:
+            self.close()
+            raise
+        self._copies.forget()
+        self.before = {}
+        return Capture(fingerprint=fingerprint, layers=layers, spill=self.spill)
+
+    def _classify(self) -> list[CapturedLayer]:
         layers = []
         for path, module in self._layers():
             after = snapshot_module(module, None)
@@ -166,5 +201,4 @@ class Recorder:
                 )
             if layer.tensors or layer.runtime_state or layer.kernels:
                 layers.append(layer)
-        self._clones.clear()
-        return Capture(fingerprint=fingerprint, layers=layers)
+        return layers

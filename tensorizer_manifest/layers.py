@@ -16,6 +16,7 @@ import torch
 
 from .errors import UnsupportedModelError
 from .schema import KernelRecord, plain_value
+from .spill import SpillFile, StoredTensor
 
 # nn.Module bookkeeping that is not state of the layer.
 _MODULE_INTERNALS = frozenset(
@@ -173,9 +174,16 @@ def refuse_model_level_hook(model: torch.nn.Module) -> None:
 @dataclass
 class TensorSlot:
     tensor: torch.Tensor
+    """The live tensor; for a pre-step copy, a stand-in on the meta device (class, attributes, shape, stride)."""
     kind: str  # "parameter" | "buffer"
     persistent: bool
     identity: tuple[int, int, int]  # (id, data_ptr, _version) of the live tensor when snapshotted
+    stored: StoredTensor | None = None
+    """Where a pre-step copy's bytes are (``tensor`` is then their stand-in)."""
+
+    def data(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor with its bytes: the live one, or the pre-step copy read back (contiguous; into ``buffer``)."""
+        return self.tensor if self.stored is None else self.stored.read(buffer)
 
 
 def _identity(t: torch.Tensor) -> tuple[int, int, int]:
@@ -189,32 +197,57 @@ class ModuleSnapshot:
     kernels: list[KernelRecord]
 
 
-def snapshot_module(module: torch.nn.Module, clones: dict[int, torch.Tensor] | None) -> ModuleSnapshot:
-    """Snapshot a module. With ``clones``, tensors are copied (shared through the memo, so ties survive)."""
+class PreStepCopies:
+    """Copies of tensors as they were before the post-load step, their bytes on disk.
+
+    Each tensor is written once to a ``SpillFile`` and stood in for by a tensor on
+    the meta device with its class, plain attributes, shape and stride; a memo by
+    ``id`` hands the same stand-in to every layer that holds the tensor, so ties
+    survive. Only one tensor's bytes are in memory at a time.
+    """
+
+    def __init__(self, spill: SpillFile):
+        self.spill = spill
+        self._memo: dict[int, tuple[torch.Tensor, StoredTensor]] = {}
+
+    def keep(self, tensor: torch.Tensor) -> tuple[torch.Tensor, StoredTensor]:
+        kept = self._memo.get(id(tensor))
+        if kept is None:
+            kept = (_stand_in(tensor), self.spill.put(tensor))
+            self._memo[id(tensor)] = kept
+        return kept
+
+    def forget(self) -> None:
+        """Drop the memo (the stand-ins and stored bytes stay valid while the spill file is open)."""
+        self._memo.clear()
+
+
+def snapshot_module(module: torch.nn.Module, copies: PreStepCopies | None) -> ModuleSnapshot:
+    """Snapshot a module. With ``copies``, tensors are copied to disk (shared through its memo, so ties survive)."""
     tensors: dict[str, TensorSlot] = {}
     for name, (tensor, kind, persistent) in module_tensors(module).items():
         identity = _identity(tensor)
-        kept = tensor
-        if clones is not None:
-            kept = clones.get(id(tensor))
-            if kept is None:
-                kept = _clone_like(tensor)
-                clones[id(tensor)] = kept
-        tensors[name] = TensorSlot(kept, kind, persistent, identity)
+        if copies is None:
+            tensors[name] = TensorSlot(tensor, kind, persistent, identity)
+        else:
+            stand_in, stored = copies.keep(tensor)
+            tensors[name] = TensorSlot(stand_in, kind, persistent, identity, stored)
     attrs = {owner_name: owner_attrs(owner) for owner_name, owner in owners_of(module).items()}
     return ModuleSnapshot(tensors, attrs, find_kernels(module))
 
 
-def _clone_like(tensor: torch.Tensor) -> torch.Tensor:
-    """Copy data, keeping the Parameter class, its plain attributes, stride and requires_grad."""
-    data = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
-    data.copy_(tensor.detach())
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor in place of a copy: the Parameter class, its plain attributes, stride and requires_grad.
+
+    Laid out as a fresh copy would be (``empty_strided``: same stride, storage offset 0).
+    """
+    data = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
     if isinstance(tensor, torch.nn.Parameter):
-        clone = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
+        stand_in = torch.Tensor._make_subclass(type(tensor), data, tensor.requires_grad)
         for key, value in tensor.__dict__.items():
             if plain_value(value)[0]:
-                setattr(clone, key, value)
-        return clone
+                setattr(stand_in, key, value)
+        return stand_in
     return data
 
 
@@ -246,7 +279,11 @@ def _same_value(a: object, b: object) -> bool:
     return False
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_bytes(was: TensorSlot, now: torch.Tensor) -> bool:
+    """Bytewise equality of a snapshot's tensor and a live one (a copy on disk is compared a chunk at a time)."""
+    if was.stored is not None:
+        return was.stored.same_bytes(now)
+    a, b = was.tensor, now
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
@@ -264,7 +301,7 @@ def diff_snapshots(before: ModuleSnapshot, after: ModuleSnapshot) -> LayerDiff:
     diff.removed_tensors = set(before.tensors) - set(after.tensors)
     for name in set(before.tensors) & set(after.tensors):
         was, now = before.tensors[name], after.tensors[name]
-        if was.identity != now.identity or (was.tensor is not now.tensor and not _same_bytes(was.tensor, now.tensor)):
+        if was.identity != now.identity or (was.tensor is not now.tensor and not _same_bytes(was, now.tensor)):
             diff.changed_tensors.add(name)
     for owner in set(before.attrs) | set(after.attrs):
         b = before.attrs.get(owner, {})

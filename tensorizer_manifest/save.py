@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import _vllm_compat
-from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, SIGNING_KEY_ENV, WORKER_EXTENSION
+from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, SIGNING_KEY_ENV, SPILL_DIR_ENV, WORKER_EXTENSION
 from .checkpoint import signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from .write import copy_model_files
@@ -116,7 +118,10 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     """Load ``src`` with vLLM and write a self-describing checkpoint into ``out``.
 
     ``out`` receives the config and tokenizer files of ``src`` (copied), one
-    ``*.tensors`` file and one ``*.manifest.json`` per rank.
+    ``*.tensors`` file and one ``*.manifest.json`` per rank. While saving, the
+    pre-step tensors of layers with a post-load step wait in a nameless
+    temporary file on ``out``'s filesystem (``$TENSORIZER_MANIFEST_SPILL_DIR``
+    when set), not in memory: about the model's size of free disk besides it.
     """
     opts = SaveOptions.parse(options)
     key_file = signing_key_file_path(opts.signing_key_file)
@@ -128,12 +133,14 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
 
     from vllm import LLM
 
-    llm = LLM(
-        model=str(src_dir),
-        load_format=CAPTURE_LOAD_FORMAT,
-        worker_extension_cls=WORKER_EXTENSION,
-        **engine_kwargs(opts),
-    )
+    # The capture copies pre-step tensors to a nameless file beside the output, not into memory.
+    with _environ(SPILL_DIR_ENV, os.environ.get(SPILL_DIR_ENV) or str(existing_parent(out_dir))):
+        llm = LLM(
+            model=str(src_dir),
+            load_format=CAPTURE_LOAD_FORMAT,
+            worker_extension_cls=WORKER_EXTENSION,
+            **engine_kwargs(opts),
+        )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir), False, key_file))
@@ -150,6 +157,28 @@ def signing_key_file_path(option: str | None) -> str | None:
         return None
     signing_key_from(option)  # the option, else the variable: a ConfigurationError now, not in every worker
     return str(Path(path).expanduser().resolve())
+
+
+def existing_parent(path: Path) -> Path:
+    """``path`` if it is a directory, else its nearest existing ancestor (the filesystem it will be on)."""
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return candidate
+    return Path.cwd()
+
+
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` within the block (worker processes started in it inherit it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def shutdown(llm: Any) -> None:

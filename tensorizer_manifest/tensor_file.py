@@ -34,7 +34,12 @@ class IndexEntry(NamedTuple):
 
 
 def write_tensor_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write ``(key, tensor)`` pairs with tensorizer, contiguous, dtype untouched."""
+    """Write ``(key, tensor)`` pairs with tensorizer, contiguous, dtype untouched.
+
+    Each tensor is in the file before the next is taken from ``tensors``
+    (tensorizer's ``write_tensor`` waits for its writes), so an iterator may
+    hand out views of one reused buffer.
+    """
     from tensorizer import TensorSerializer, TensorType
 
     serializer = TensorSerializer(str(path))

@@ -204,12 +204,24 @@ class CaptureModelLoader(DefaultModelLoader):
                 allow_unverified=self.options.allow_unverified,
                 device_type=fingerprint.device_type,
             )
-            recorder = Recorder(model, policy)
-            run_step()
+            # pre-step copies go to a nameless file in $TENSORIZER_MANIFEST_SPILL_DIR
+            recorder = Recorder(model, policy=policy)
+            try:
+                run_step()
+            except BaseException:
+                recorder.close()
+                raise
             captured.append(recorder.finish(fingerprint))
 
-        with _vllm_compat.observe_post_load(observe):
-            model = super().load_model(vllm_config, model_config, prefix)
+        try:
+            with _vllm_compat.observe_post_load(observe):
+                model = super().load_model(vllm_config, model_config, prefix)
+        except BaseException:
+            for capture in captured:
+                capture.close()
+            raise
+        for stale in captured[:-1]:
+            stale.close()
         if not captured:
             raise UnsupportedModelError(
                 f"vLLM {_vllm_compat.vllm_version()}'s default loader did not run its post-load step where "
@@ -246,10 +258,11 @@ class ManifestWorkerExtension:
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
-        The capture holds a copy of every raw layer's pre-processing tensors; it
-        is released after the save (so an engine that goes on serving gets that
-        memory back) unless ``keep_capture`` asks to save again later. The
-        manifest is sealed with the key in ``signing_key_file`` (else
+        The capture holds a copy of every raw layer's pre-processing tensors (in a
+        nameless temporary file, not in memory); it is released after the save (so
+        an engine that goes on serving gets that disk space back) unless
+        ``keep_capture`` asks to save again later.
+        The manifest is sealed with the key in ``signing_key_file`` (else
         ``$TENSORIZER_MANIFEST_SIGNING_KEY``; a path travels to the workers, never the key).
         """
         signing_key = signing_key_from(signing_key_file)
@@ -260,9 +273,12 @@ class ManifestWorkerExtension:
                 f"this engine was not loaded with load_format={CAPTURE_LOAD_FORMAT!r}, so the state before "
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
-        manifest = write_checkpoint(capture, Path(output_dir), capture.stem, signing_key)
-        if not keep_capture:
-            delattr(model, _CAPTURE_ATTR)
+        try:
+            manifest = write_checkpoint(capture, Path(output_dir), capture.stem, signing_key, release=not keep_capture)
+        finally:
+            if not keep_capture:
+                delattr(model, _CAPTURE_ATTR)
+                capture.close()
         return {
             "manifest": str(Path(output_dir) / (capture.stem + MANIFEST_SUFFIX)),
             "tensor_file": manifest.tensor_file.path,

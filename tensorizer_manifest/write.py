@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ._constants import PRODUCER
 from .capture import Capture
+from .layers import TensorSlot
 from .schema import (
     FORMAT_VERSION,
     MANIFEST_SUFFIX,
@@ -37,10 +39,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", 
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
-    """Records for every captured layer, and the (key, tensor) pairs to store."""
+def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, TensorSlot]]]:
+    """Records for every captured layer, and the (key, slot) pairs to store (``stored_tensors`` reads them)."""
     modules: list[ModuleRecord] = []
-    to_store: list[tuple[str, torch.Tensor]] = []
+    to_store: list[tuple[str, TensorSlot]] = []
     seen: dict[int, str] = {}  # id(tensor) -> full name of the first record holding it
     ordered: list[tuple[str, TensorRecord]] = []
     for layer in capture.layers:
@@ -49,12 +51,18 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
             tensor_name = full_name(layer.path, name)
             alias_of = seen.get(id(slot.tensor))
             record = make_record(
-                name, slot.tensor, kind=slot.kind, persistent=slot.persistent, key=tensor_name, alias_of=alias_of
+                name,
+                slot.tensor,
+                kind=slot.kind,
+                persistent=slot.persistent,
+                key=tensor_name,
+                alias_of=alias_of,
+                content_hash=None if slot.stored is None else slot.stored.hash,
             )
             if alias_of is None:
                 seen[id(slot.tensor)] = tensor_name
                 if record.key is not None:
-                    to_store.append((record.key, slot.tensor))
+                    to_store.append((record.key, slot))
             records.append(record)
             ordered.append((tensor_name, record))
         quant_method = getattr(layer.module, "quant_method", None)
@@ -84,7 +92,21 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     return manifest, to_store
 
 
-def write_checkpoint(capture: Capture, out_dir: Path, stem: str, signing_key: SigningKey | None = None) -> Manifest:
+def stored_tensors(to_store: list[tuple[str, TensorSlot]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` one at a time: a pre-step copy is read back from disk just before it is written.
+
+    Every copy is read into the same buffer, the size of the largest: ``write_tensor_file`` has written
+    a tensor before it asks for the next.
+    """
+    largest = max((slot.stored.nbytes for _, slot in to_store if slot.stored is not None), default=0)
+    buffer = torch.empty(largest, dtype=torch.uint8) if largest else None
+    for key, slot in to_store:
+        yield key, slot.data(buffer)
+
+
+def write_checkpoint(
+    capture: Capture, out_dir: Path, stem: str, signing_key: SigningKey | None = None, release: bool = False
+) -> Manifest:
     """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
 
     The manifest is sealed last, over every field: keyed (``mac``) with
@@ -96,6 +118,10 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str, signing_key: Si
     directory holds either the old complete checkpoint or the new one; at worst
     beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
     tensor file, both removed by the next save.
+
+    ``release`` closes the capture's pre-step copies as soon as the tensor file is
+    written, so that their dirty pages are dropped instead of competing with the
+    ``fsync`` for the disk.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temporaries(out_dir, stem)
@@ -106,7 +132,9 @@ def write_checkpoint(capture: Capture, out_dir: Path, stem: str, signing_key: Si
     tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
     tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
     try:
-        write_tensor_file(tmp_tensors, to_store)
+        write_tensor_file(tmp_tensors, stored_tensors(to_store))
+        if release:
+            capture.close()
         manifest.tensor_file.size = tmp_tensors.stat().st_size
         index = read_index(tmp_tensors)
         manifest.tensor_file.head_hash = head_hash(tmp_tensors, index)

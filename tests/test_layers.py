@@ -7,6 +7,7 @@ import torch
 
 from tensorizer_manifest.errors import UnsupportedModelError
 from tensorizer_manifest.layers import (
+    PreStepCopies,
     describe,
     diff_snapshots,
     find_kernels,
@@ -15,6 +16,7 @@ from tensorizer_manifest.layers import (
     refuse_model_level_hook,
     snapshot_module,
 )
+from tensorizer_manifest.spill import SpillFile
 
 
 class _Layer(torch.nn.Module):
@@ -25,56 +27,84 @@ class _Layer(torch.nn.Module):
         self.flag = 1.0
 
 
-def test_diff_sees_new_attributes_and_replaced_tensors():
+@pytest.fixture
+def copies(tmp_path):
+    with SpillFile(tmp_path) as spill:
+        yield PreStepCopies(spill)
+
+
+def test_diff_sees_new_attributes_and_replaced_tensors(copies):
     layer = _Layer()
-    before = snapshot_module(layer, clones={})
+    before = snapshot_module(layer, copies)
     layer.flag = 2.0
     layer.handle = object()
     layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     diff = diff_snapshots(before, snapshot_module(layer, None))
     assert diff.changed_tensors == {"weight"}
     assert set(diff.changed_attrs) == {("layer", "flag"), ("layer", "handle")}
-    # The before-snapshot kept a copy of the raw weight.
-    assert torch.equal(before.tensors["weight"].tensor, torch.ones(2, 2))
+    # The before-snapshot kept a copy of the raw weight, on disk; its stand-in holds no memory.
+    assert before.tensors["weight"].tensor.is_meta
+    assert torch.equal(before.tensors["weight"].data(), torch.ones(2, 2))
 
 
-def test_diff_sees_in_place_changes():
+def test_diff_sees_in_place_changes(copies):
     layer = _Layer()
-    before = snapshot_module(layer, clones={})
+    before = snapshot_module(layer, copies)
     layer.scale.fill_(3.0)
     diff = diff_snapshots(before, snapshot_module(layer, None))
     assert diff.changed_tensors == {"scale"} and not diff.changed_attrs
 
 
-def test_diff_sees_removed_tensors_and_attributes():
+def test_diff_sees_removed_tensors_and_attributes(copies):
     layer = _Layer()
-    before = snapshot_module(layer, clones={})
+    before = snapshot_module(layer, copies)
     del layer.scale
     del layer.flag
     diff = diff_snapshots(before, snapshot_module(layer, None))
     assert diff.removed_tensors == {"scale"} and diff.removed_attrs == {("layer", "flag")}
 
 
-def test_diff_sees_writes_through_data_that_bump_no_version():
+def test_diff_sees_writes_through_data_that_bump_no_version(copies):
     layer = _Layer()
-    before = snapshot_module(layer, clones={})
+    before = snapshot_module(layer, copies)
     layer.weight.data.copy_(torch.full((2, 2), 5.0))
     assert diff_snapshots(before, snapshot_module(layer, None)).changed_tensors == {"weight"}
 
 
-def test_diff_is_empty_when_nothing_changed():
+def test_diff_is_empty_when_nothing_changed(copies):
     layer = _Layer()
-    before = snapshot_module(layer, clones={})
+    before = snapshot_module(layer, copies)
     assert diff_snapshots(before, snapshot_module(layer, None)).empty
 
 
-def test_clones_keep_ties():
+def test_copies_keep_ties_and_store_a_tied_tensor_once(copies):
     a, b = _Layer(), _Layer()
     b.weight = a.weight
-    clones: dict = {}
-    sa, sb = snapshot_module(a, clones), snapshot_module(b, clones)
+    sa, sb = snapshot_module(a, copies), snapshot_module(b, copies)
     assert sa.tensors["weight"].tensor is sb.tensors["weight"].tensor
+    assert sa.tensors["weight"].stored is sb.tensors["weight"].stored
     assert sa.tensors["weight"].tensor is not a.weight
+    assert copies.spill.count == 3  # a.weight, a.scale, b.scale
+
+
+def test_a_copy_stands_in_with_the_class_attributes_and_layout_of_a_fresh_clone(copies):
+    layer = torch.nn.Module()
+    weight = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()[1:]  # non-contiguous, storage offset
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight.output_dim = 0
+    slot = snapshot_module(layer, copies).tensors["weight"]
+    assert type(slot.tensor) is torch.nn.Parameter and slot.tensor.output_dim == 0
+    assert (slot.tensor.dtype, slot.tensor.shape, slot.tensor.stride()) == (weight.dtype, weight.shape, weight.stride())
+    assert slot.tensor.storage_offset() == 0 and not slot.tensor.requires_grad
+    assert torch.equal(slot.data(), weight)
+
+
+def test_a_copy_compares_by_bytes_even_when_values_compare_equal(copies):
+    layer = _Layer()
+    layer.weight.data.copy_(torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
+    before = snapshot_module(layer, copies)
+    layer.weight.data[0, 0] = -0.0  # == 0.0, other bytes, and no version bump
+    assert diff_snapshots(before, snapshot_module(layer, None)).changed_tensors == {"weight"}
 
 
 class FakeKernel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tensorizer_manifest.errors import CheckpointNotFoundError, ConfigurationError
@@ -40,3 +42,32 @@ def test_a_signing_key_file_is_checked_before_an_engine_starts(tmp_path, monkeyp
     with pytest.raises(ConfigurationError, match="cannot be read"):
         signing_key_file_path(str(tmp_path / "missing"))
     assert SaveOptions.parse({"signing_key_file": str(key)}).signing_key_file == str(key)
+
+
+def test_the_engine_spills_pre_step_tensors_beside_the_output_and_the_environment_is_put_back(tmp_path, monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    from tensorizer_manifest._constants import SPILL_DIR_ENV
+    from tensorizer_manifest.save import existing_parent, save_checkpoint
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get(SPILL_DIR_ENV))  # what the engine and its workers inherit
+
+        def collective_rpc(self, *args, **kwargs):
+            return []
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.delenv(SPILL_DIR_ENV, raising=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    out = tmp_path / "new" / "out"
+    assert existing_parent(out) == tmp_path
+    save_checkpoint(src, out)
+    assert seen == [str(tmp_path)]
+    assert SPILL_DIR_ENV not in os.environ
+    monkeypatch.setenv(SPILL_DIR_ENV, str(tmp_path / "mine"))
+    save_checkpoint(src, out)
+    assert seen[-1] == str(tmp_path / "mine") and os.environ[SPILL_DIR_ENV] == str(tmp_path / "mine")

@@ -47,6 +47,21 @@ def test_non_contiguous_tensors_are_written_contiguous(tmp_path):
         assert torch.equal(reader.read("t"), t)
 
 
+def test_each_tensor_is_written_before_the_next_is_asked_for(tmp_path):
+    """The save path hands out views of one reused buffer (``write.stored_tensors``)."""
+    buffer = torch.empty(16, dtype=torch.uint8)
+
+    def reused():
+        for i in range(3):
+            buffer.fill_(i)
+            yield f"t{i}", buffer.view(torch.int32)
+
+    write_tensor_file(tmp_path / "r.tensors", reused())
+    with TensorFileReader(tmp_path / "r.tensors") as reader:
+        for i in range(3):
+            assert torch.equal(reader.read(f"t{i}").view(torch.uint8), torch.full((16,), i, dtype=torch.uint8))
+
+
 def test_index_describes_every_tensor_without_reading_data(tensor_path):
     index = read_index(tensor_path)
     assert set(index) == set(TENSORS)

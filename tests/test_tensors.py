@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tensorizer_manifest.errors import IntegrityError, ManifestError
-from tensorizer_manifest.layers import snapshot_module
+from tensorizer_manifest.layers import PreStepCopies, snapshot_module
 from tensorizer_manifest.schema import TensorRecord, decode_manifest, encode_manifest
+from tensorizer_manifest.spill import SpillFile
 from tensorizer_manifest.tensors import (
     dtype_from_name,
     hash_tensor,
@@ -79,16 +80,18 @@ def test_parameter_class_and_plain_attributes_survive():
     assert type(q) is torch.nn.Parameter and not q.requires_grad and q.output_dim == 0
 
 
-def test_list_of_strings_parameter_attribute_round_trips_from_capture_to_load():
+def test_list_of_strings_parameter_attribute_round_trips_from_capture_to_load(tmp_path):
     """Capture copies it, the manifest records it, the loader sets it: nothing dropped on the way."""
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.ones(2, 3), requires_grad=False)
     layer.weight.shard_names = ["q", "k", "v"]
     layer.weight.shard_flags = (True, False)
     layer.weight.weight_loader = print  # not plain: vLLM's fresh Parameter carries its own
-    kept = snapshot_module(layer, clones={}).tensors["weight"].tensor
+    with SpillFile(tmp_path) as spill:
+        slot = snapshot_module(layer, PreStepCopies(spill)).tensors["weight"]
+    kept = slot.tensor
     assert kept.shard_names == ["q", "k", "v"] and kept.shard_flags == (True, False)
-    record = _record(kept, name="weight")
+    record = make_record("weight", kept, kind="parameter", persistent=True, key="weight", content_hash=slot.stored.hash)
     assert record.param_attrs == {"shard_names": ["q", "k", "v"], "shard_flags": [True, False]}
     decoded = msgspec.json.decode(msgspec.json.encode(record), type=TensorRecord)
     param = make_parameter(decoded, torch.ones(2, 3))

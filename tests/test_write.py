@@ -476,3 +476,28 @@ def test_the_manifest_records_the_prefix_and_is_sealed_last(tmp_path):
     key = SigningKey(b"k" * 32)
     signed = write_checkpoint(make_capture(), tmp_path / "b", "model", key)
     assert signed.seal.mode == "mac" and signed.seal.hash == seal_hash(signed, "mac", key)
+
+
+def test_pre_step_copies_on_disk_write_the_same_bytes_and_are_released_after_the_tensor_file(tmp_path):
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.layers import PreStepCopies, TensorSlot
+    from tensorizer_manifest.spill import SpillFile
+    from tensorizer_manifest.write import write_checkpoint
+
+    write_checkpoint(make_capture(seed=3), tmp_path / "memory", "model")
+    spilled = make_capture(seed=3)
+    spilled.spill = SpillFile(tmp_path)
+    copies = PreStepCopies(spilled.spill)
+    for layer in spilled.layers:  # every layer's tensors on disk, as the capture keeps raw layers'
+        for name, slot in layer.tensors.items():
+            stand_in, stored = copies.keep(slot.tensor)
+            layer.tensors[name] = TensorSlot(stand_in, slot.kind, slot.persistent, slot.identity, stored)
+    assert spilled.spill.count > 0
+    write_checkpoint(spilled, tmp_path / "disk", "model", release=True)
+    assert spilled.spill.closed
+    names = sorted(p.name for p in (tmp_path / "memory").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "disk").iterdir())
+    for name in names:
+        assert filecmp.cmp(tmp_path / "memory" / name, tmp_path / "disk" / name, shallow=False), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "memory"]  # the spill file had no name
