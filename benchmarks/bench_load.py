@@ -199,7 +199,8 @@ def child(argv: list[str]) -> dict:
 
         capture.Recorder.__init__ = marked
         start = time.perf_counter()
-        save_checkpoint(argv[1], argv[2], dtype="bfloat16", max_model_len=128)
+        portable = os.environ.get("BENCH_SAVE_PORTABLE") == "1"
+        save_checkpoint(argv[1], argv[2], dtype="bfloat16", max_model_len=128, portable=portable)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
     if mode == "native":

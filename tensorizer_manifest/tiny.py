@@ -87,7 +87,7 @@ def _build_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def _config(kind: TinyKind, vocab_size: int):
+def _config(kind: TinyKind, vocab_size: int, overrides: dict | None = None):
     common = dict(
         hidden_size=256,
         num_hidden_layers=2,
@@ -100,6 +100,9 @@ def _config(kind: TinyKind, vocab_size: int):
         eos_token_id=0,
         torch_dtype="bfloat16",
     )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    for key, value in (overrides or {}).items():
+        (moe if key in moe else common)[key] = value
     if kind in ("qwen3-tied", "awq-w4"):
         from transformers import Qwen3Config
 
@@ -114,12 +117,10 @@ def _config(kind: TinyKind, vocab_size: int):
         return Qwen3MoeConfig(
             head_dim=64,
             tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            **moe,
             **common,
         )
     from transformers import LlamaConfig
@@ -127,12 +128,12 @@ def _config(kind: TinyKind, vocab_size: int):
     return LlamaConfig(tie_word_embeddings=False, **common)
 
 
-def _random_model(kind: TinyKind, vocab_size: int, seed: int):
+def _random_model(kind: TinyKind, vocab_size: int, seed: int, overrides: dict | None = None):
     """The transformers model of ``kind`` with every matrix drawn from normal(0, 0.05)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = _config(kind, vocab_size)
+    config = _config(kind, vocab_size, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     with torch.no_grad():
@@ -458,11 +459,13 @@ def _kv_fp8_quant_config() -> dict:
     }
 
 
-def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 0, **sizes: int) -> Path:
     """Write a tiny Hugging Face model directory vLLM can load with no network.
 
     Idempotent: an existing complete directory is reused, so tests and the
-    demo can cache it.
+    demo can cache it. ``sizes`` override the config (``hidden_size``,
+    ``num_hidden_layers``, ``num_experts``...): the benchmarks build larger
+    models of the same kinds.
     """
     from safetensors.torch import save_file
 
@@ -473,8 +476,9 @@ def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 
     if done_marker.exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out, _VOCAB_SIZE)
-    model = _random_model(kind, _VOCAB_SIZE, seed)
+    vocab_size = sizes.get("vocab_size", _VOCAB_SIZE)
+    _build_tokenizer(out, vocab_size)
+    model = _random_model(kind, vocab_size, seed, sizes)
     config = model.config
     config.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
