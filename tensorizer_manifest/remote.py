@@ -39,6 +39,9 @@ from .errors import (
 )
 from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 
+#: Option names that hold credentials (in ``model_loader_extra_config`` and save options): never logged.
+CREDENTIAL_OPTIONS = frozenset({"s3_access_key_id", "s3_secret_access_key"})
+
 #: URI schemes read (all) and written (``s3`` only) by this module.
 SCHEMES = ("s3", "http", "https")
 

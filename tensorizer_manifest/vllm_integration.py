@@ -29,7 +29,7 @@ from .checkpoint import checkpoint_stem, load_manifest, signing_key_from
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
-from .remote import RemoteOptions, describe_validation_error
+from .remote import CREDENTIAL_OPTIONS, RemoteOptions, describe_validation_error
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
 from .validate import check_files, unsealed_warning
@@ -251,7 +251,12 @@ def apply_cpu_gemm_from_env() -> None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register both load formats in this process."""
+    """``vllm.general_plugins`` entry point: register both load formats in this process.
+
+    It also keeps vLLM from logging S3 credentials given in ``model_loader_extra_config`` (vLLM logs its
+    engine arguments, that dict included, after loading plugins).
+    """
+    _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
     apply_cpu_gemm_from_env()
     _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
     _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)

@@ -8,7 +8,7 @@
 - ``RangeHTTPServer``: a directory served over plain HTTP with Range support (Python's http.server has
   none), in a thread; ``cut_after`` makes it send only that many bytes of a ``.tensors`` file streamed
   whole (no Range: what a reader opens; the checks before it read ranges), then drop the connection,
-  as a server that dies mid-read.
+  as a server that dies mid-read; ``ranges=False`` ignores Range headers, as some servers do.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 class _RangeHandler(SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # as real servers answer (tensorizer's reader expects HTTP/1.1 or 2)
     cut_after: int | None = None
+    ranges: bool = True
 
     def log_message(self, format: str, *args: object) -> None:  # quiet
         pass
@@ -150,7 +151,7 @@ class _RangeHandler(SimpleHTTPRequestHandler):
             return None
         size = path.stat().st_size
         begin, end = 0, size
-        match = _RANGE.match(self.headers.get("Range", ""))
+        match = _RANGE.match(self.headers.get("Range", "")) if self.ranges else None
         if match:
             begin = int(match.group(1))
             end = min(size, int(match.group(2)) + 1) if match.group(2) else size
@@ -161,7 +162,8 @@ class _RangeHandler(SimpleHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {begin}-{end - 1}/{size}")
         else:
             self.send_response(200)
-        self.send_header("Accept-Ranges", "bytes")
+        if self.ranges:
+            self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(end - begin))
         self.end_headers()
@@ -197,8 +199,8 @@ class _RangeHandler(SimpleHTTPRequestHandler):
 class RangeHTTPServer:
     """``directory`` over HTTP on 127.0.0.1, with Range requests; ``with RangeHTTPServer(d) as srv: srv.url``."""
 
-    def __init__(self, directory: Path, cut_after: int | None = None):
-        handler = type("Handler", (_RangeHandler,), {"cut_after": cut_after})
+    def __init__(self, directory: Path, cut_after: int | None = None, ranges: bool = True):
+        handler = type("Handler", (_RangeHandler,), {"cut_after": cut_after, "ranges": ranges})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(directory)))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
