@@ -228,8 +228,9 @@ def describe_validation_error(exc: Any) -> str:
 
 _HTTP_STATUS = re.compile(r"HTTP/[\d.]+ (\d{3})")
 _CURL_EXIT = re.compile(r"cURL exit code (\d+)|curl error: \((\d+)\)|curl: \((\d+)\)")
-#: curl exit codes that mean the endpoint was never reached.
+#: curl exit codes that mean the endpoint was never reached, and those of a transfer cut short.
 _CURL_UNREACHABLE = {5, 6, 7, 28, 35, 60}
+_CURL_CUT_SHORT = {18, 52, 55, 56, 92}
 
 
 def _messages(exc: BaseException) -> str:
@@ -286,6 +287,11 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
                 )
             if exit_code == 22:  # curl -f: an HTTP error it did not show
                 status = 400
+            elif exit_code in _CURL_CUT_SHORT:
+                return RemoteStorageError(
+                    f"{uri}: the transfer was cut short while {doing} (curl exit code {exit_code}): "
+                    "the server closed the connection or stopped answering"
+                )
             else:
                 return RemoteStorageError(
                     f"{uri}: the transfer failed while {doing} (curl exit code {exit_code}): "
@@ -308,6 +314,8 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
         )
     if status is not None or code is not None:
         return RemoteStorageError(f"{uri}: the server answered {code or status} while {doing}")
+    if "Failed to open stream" in text:
+        return RemoteStorageError(f"{uri}: the server gave no answer while {doing}")
     if isinstance(exc, OSError | EOFError) or "Requested" in text:
         return RemoteStorageError(
             f"{uri}: the transfer was cut short while {doing}: the server closed the connection or stopped answering"
@@ -358,6 +366,18 @@ class RemoteFile:
             "s3_endpoint": resolved.endpoint,
             "force_http": resolved.endpoint.lower().startswith("http://"),
         }
+
+    def _reachable(self) -> bool:
+        """Whether a TCP connection to the server (the S3 endpoint, or the URI's host) can be made."""
+        import socket
+
+        try:
+            target = urlsplit(_resolve(self.options).endpoint if self.scheme == "s3" else self.uri)
+            port = target.port or (443 if target.scheme == "https" else 80)
+            with socket.create_connection((target.hostname or "", port), timeout=5):
+                return True
+        except (OSError, ValueError):
+            return False
 
     def size(self) -> int:
         """The object's size in bytes; a typed error when it is missing or cannot be reached."""
@@ -460,6 +480,10 @@ class RemoteFile:
 
     def _error(self, exc: BaseException, doing: str) -> TensorizerManifestError:
         typed = transfer_error(exc, self.uri, doing)
+        if type(typed) is RemoteStorageError and not self._reachable():
+            return RemoteUnreachableError(
+                f"{self.uri}: the server cannot be reached while {doing}: check the endpoint and the network"
+            )
         if typed is not None:
             return typed
         if isinstance(exc, ConfigurationError):
