@@ -24,10 +24,15 @@ from .errors import (
     IntegrityError,
     ManifestError,
     ManifestVersionError,
+    RemoteAccessError,
+    RemoteNotFoundError,
+    RemoteStorageError,
+    RemoteUnreachableError,
     ReplayError,
     TensorizerManifestError,
     UnsupportedModelError,
 )
+from .remote import RemoteOptions, fetch_model_files, upload_checkpoint
 from .schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
 
 if TYPE_CHECKING:
@@ -81,6 +86,10 @@ __all__ = [
     "validate_checkpoint",
     "ValidationReport",
     "Problem",
+    # remote checkpoints
+    "RemoteOptions",
+    "fetch_model_files",
+    "upload_checkpoint",
     # extending
     "Restorer",
     "register_restorer",
@@ -94,4 +103,8 @@ __all__ = [
     "CompatibilityError",
     "UnsupportedModelError",
     "ReplayError",
+    "RemoteStorageError",
+    "RemoteNotFoundError",
+    "RemoteAccessError",
+    "RemoteUnreachableError",
 ]

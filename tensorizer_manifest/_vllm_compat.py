@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +30,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint"),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel"),
     ("torch.cpu", "_is_amx_tile_supported"),
+    ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args"),
 )
 _MISSING = object()
 
@@ -70,6 +72,39 @@ def _gone(what: str) -> UnsupportedModelError:
 
 
 # --- model loaders -------------------------------------------------------------------------------
+
+
+#: The logger vLLM prints its engine arguments with ("non-default args: {...}"), ``LLM()`` and ``vllm serve``
+#: alike; ``model_loader_extra_config`` is printed whole.
+ENGINE_ARGS_LOGGER = "vllm.entrypoints.serve.utils.api_utils"
+
+
+class RedactOptions(logging.Filter):
+    """Replaces the values of some keys, in dicts among a log record's arguments, with ``***``."""
+
+    def __init__(self, keys: frozenset[str]):
+        super().__init__()
+        self.keys = keys
+
+    def _redact(self, value: Any, depth: int = 0) -> Any:
+        if isinstance(value, dict) and depth < 4:
+            return {k: "***" if k in self.keys else self._redact(v, depth + 1) for k, v in value.items()}
+        return value
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, dict):
+            record.args = self._redact(record.args)
+        elif isinstance(record.args, tuple):
+            record.args = tuple(self._redact(arg) for arg in record.args)
+        return True
+
+
+def redact_logged_options(keys: frozenset[str]) -> None:
+    """Never let vLLM log these ``model_loader_extra_config`` keys' values (it logs its engine arguments)."""
+    for name in (ENGINE_ARGS_LOGGER, "vllm"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactOptions) and f.keys == keys for f in logger.filters):
+            logger.addFilter(RedactOptions(keys))
 
 
 def register_model_loader_once(load_format: str, loader_cls: type) -> bool:

@@ -1,6 +1,9 @@
 """Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names, the signing key.
 
-No torch, no vLLM: ``inspect`` uses it too. Reading goes through ``schema.decode_manifest``.
+A checkpoint is a local directory or a remote prefix (``s3://bucket/prefix``,
+``https://host/path``, read through ``remote``); a manifest or tensor file is
+then a ``Path`` or a ``remote.RemoteFile``. No torch, no vLLM: ``inspect`` uses
+it too. Reading goes through ``schema.decode_manifest``.
 """
 
 from __future__ import annotations
@@ -9,8 +12,18 @@ import os
 from pathlib import Path
 
 from ._constants import SIGNING_KEY_ENV
-from .errors import CheckpointNotFoundError, ConfigurationError, ManifestError, TensorizerManifestError
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    ManifestError,
+    RemoteNotFoundError,
+    TensorizerManifestError,
+)
+from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
 from .schema import MANIFEST_SUFFIX, Manifest, SigningKey, decode_manifest
+
+#: A manifest or tensor file: on disk, or an object in remote storage.
+FileLocation = Path | RemoteFile
 
 #: Manifests larger than this are refused before parsing.
 MAX_MANIFEST_BYTES = 256 << 20
@@ -28,8 +41,15 @@ def checkpoint_stem(tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_siz
     return stem
 
 
-def find_manifest(path: str | Path, stem: str | None = None) -> Path:
-    """A manifest file, given it or its checkpoint directory (``stem`` picks a rank's)."""
+def find_manifest(
+    path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
+) -> FileLocation:
+    """A manifest file, given it or its checkpoint directory or URI (``stem`` picks a rank's).
+
+    ``remote`` holds the credentials and endpoint for an ``s3://`` URI.
+    """
+    if is_remote(path):
+        return _find_remote_manifest(as_remote(path, remote), stem)  # type: ignore[arg-type]
     path = Path(path)
     if path.is_file():
         return path
@@ -52,27 +72,74 @@ def find_manifest(path: str | Path, stem: str | None = None) -> Path:
     return found[0]
 
 
-def load_manifest(path: str | Path, stem: str | None = None) -> tuple[Manifest, Path]:
-    """The manifest of a checkpoint directory or manifest file, and the file it was read from."""
-    manifest_path = find_manifest(path, stem)
+def _find_remote_manifest(location: RemoteFile | RemoteDir, stem: str | None) -> RemoteFile:
+    if isinstance(location, RemoteFile):
+        return location
+    if stem is None and location.scheme == "s3":
+        found = [n for n in location.list_names() if n.endswith(MANIFEST_SUFFIX)]
+        if not found:
+            raise RemoteNotFoundError(
+                f"{location}: no *{MANIFEST_SUFFIX} there; this is not a tensorizer-manifest checkpoint "
+                "(create one with `tensorizer-manifest save SRC s3://bucket/prefix`)"
+            )
+        return location / found[0]
+    candidate = location / ((stem or "model") + MANIFEST_SUFFIX)
+    if not candidate.exists():
+        hint = (
+            "save this checkpoint with `tensorizer-manifest save` using the same tensor- and pipeline-parallel "
+            "sizes as this engine"
+            if stem is not None
+            else f"over http(s) name a rank's manifest file itself (…/model-tp0-of-2{MANIFEST_SUFFIX})"
+        )
+        raise RemoteNotFoundError(f"{location}: no {candidate.name} there; {hint}")
+    return candidate
+
+
+def file_size(path: FileLocation) -> int:
+    """The size of a local file or a remote object."""
+    return path.size() if isinstance(path, RemoteFile) else path.stat().st_size
+
+
+def load_manifest(
+    path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
+) -> tuple[Manifest, FileLocation]:
+    """The manifest of a checkpoint directory, URI or manifest file, and the file it was read from."""
+    manifest_path = find_manifest(path, stem, remote)
+    if isinstance(manifest_path, RemoteFile):
+        size = manifest_path.size()
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{manifest_path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
+        data = manifest_path.read_bytes(MAX_MANIFEST_BYTES)
+        return decode_manifest(data, source=str(manifest_path)), manifest_path
     size = manifest_path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{manifest_path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
     return decode_manifest(manifest_path.read_bytes(), source=str(manifest_path)), manifest_path
 
 
-def read_manifest(path: str | Path, stem: str | None = None) -> Manifest:
-    """The manifest of a checkpoint directory or manifest file (no torch, no vLLM)."""
-    return load_manifest(path, stem)[0]
+def read_manifest(
+    path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
+) -> Manifest:
+    """The manifest of a checkpoint directory, URI or manifest file (no torch, no vLLM)."""
+    return load_manifest(path, stem, remote)[0]
 
 
-def resolve_tensor_file(manifest: Manifest, manifest_path: Path) -> Path:
-    """The tensor file: a plain name inside the checkpoint directory, no link out of it."""
+def resolve_tensor_file(manifest: Manifest, manifest_path: FileLocation) -> FileLocation:
+    """The tensor file: a plain name inside the checkpoint directory (or beside a remote manifest), no link out."""
     name = manifest.tensor_file.path
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("~") or "\0" in name:
         raise ManifestError(
             f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory"
         )
+    if isinstance(manifest_path, RemoteFile):
+        if any(c in name for c in "?#%") or any(ord(c) < 32 for c in name):
+            raise ManifestError(f"{manifest_path}: tensor file {name[:80]!r} is not a plain object name")
+        remote_path = manifest_path.parent / name
+        try:
+            remote_path.size()
+        except RemoteNotFoundError:
+            raise RemoteNotFoundError(f"{remote_path}: the tensor file named by the manifest is missing") from None
+        return remote_path
     try:
         directory = manifest_path.parent.resolve()
         path = manifest_path.parent / name

@@ -1,4 +1,4 @@
-"""``tensorizer-manifest``: save, inspect, validate, diff, schema, demo.
+"""``tensorizer-manifest``: save, inspect, validate, diff, fetch, schema, demo.
 
 Known errors become one red line and exit code 1 (2 for usage errors, as
 click does); never a traceback. torch and vLLM are imported only by the
@@ -45,29 +45,78 @@ def err_console():
 
 
 def _fail(exc: BaseException) -> None:
+    """One red line; exit 2 for a mistake in how the command was called, 1 otherwise."""
+    from .errors import ConfigurationError
+
     err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-    raise SystemExit(1)
+    raise SystemExit(2 if isinstance(exc, ConfigurationError) else 1)
 
 
 _PATH = click.Path(path_type=Path)
 
 
+def _location(value: str) -> Path | str:
+    """A checkpoint argument: a local path, or an ``s3://`` / ``http(s)://`` URI kept as it is."""
+    from .remote import is_remote
+
+    return value if is_remote(value) else Path(value)
+
+
+def remote_options(fn):
+    """``--s3-access-key-id``, ``--s3-secret-access-key``, ``--s3-endpoint``: for s3:// checkpoints."""
+    for option in reversed(
+        [
+            click.option(
+                "--s3-access-key-id",
+                default=None,
+                help="S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",
+            ),
+            click.option(
+                "--s3-secret-access-key",
+                default=None,
+                help="S3 secret key (else ~/.s3cfg, else $AWS_SECRET_ACCESS_KEY; prefer those: "
+                "a command line is visible to other users).",
+            ),
+            click.option(
+                "--s3-endpoint",
+                default=None,
+                help="S3 endpoint URL (else host_base in ~/.s3cfg, else $AWS_ENDPOINT_URL).",
+            ),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _remote(s3_access_key_id, s3_secret_access_key, s3_endpoint):
+    from .remote import RemoteOptions
+
+    return RemoteOptions(s3_access_key_id, s3_secret_access_key, s3_endpoint)
+
+
 @app.command()
-@click.argument("path", type=_PATH)
+@click.argument("location")
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
-def inspect(path: Path, json: bool) -> None:
-    """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state."""
+@remote_options
+def inspect(location: str, json: bool, **remote) -> None:
+    """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state.
+
+    LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either
+    (only the manifest is read)."""
     from .checkpoint import load_manifest
     from .inspect import as_json, render
 
+    path = _location(location)
     try:
-        manifest, manifest_path = load_manifest(path)
+        manifest, manifest_path = load_manifest(path, remote=_remote(**remote))
     except TensorizerManifestError as exc:
         _fail(exc)
     if json:
         sys.stdout.buffer.write(as_json(manifest) + b"\n")
     else:
         render(manifest, str(manifest_path), console())
+        if not isinstance(path, Path) or not isinstance(manifest_path, Path):
+            return
         others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
         if path.is_dir() and others:
             console().print(
@@ -77,7 +126,7 @@ def inspect(path: Path, json: bool) -> None:
 
 
 @app.command()
-@click.argument("path", type=_PATH)
+@click.argument("location")
 @click.option("--json", "json", is_flag=True, help="Machine-readable report.")
 @click.option("--hashes/--no-hashes", default=True, help="Read every tensor and check its content hash.")
 @click.option("--dtype", default=None, help="Also check the checkpoint suits an engine with this dtype.")
@@ -95,8 +144,9 @@ def inspect(path: Path, json: bool) -> None:
     default=None,
     help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
 )
+@remote_options
 def validate(
-    path: Path,
+    location: str,
     json: bool,
     hashes: bool,
     dtype,
@@ -105,13 +155,19 @@ def validate(
     pipeline_parallel_size,
     engine: bool,
     signing_key_file: Path | None,
+    **remote,
 ) -> None:
-    """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
+    """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage.
+
+    LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either; a remote
+    tensor file is checked with ranged reads, and its content hashes as it streams."""
     import msgspec
 
     from .validate import check_engine_settings, validate_checkpoint
 
-    report = validate_checkpoint(path, verify_hashes=hashes, signing_key_file=signing_key_file)
+    report = validate_checkpoint(
+        _location(location), verify_hashes=hashes, signing_key_file=signing_key_file, remote=_remote(**remote)
+    )
     problems = list(report.problems)
     if report.manifest_path is not None:
         problems += check_engine_settings(
@@ -149,19 +205,22 @@ def validate(
 
 
 @app.command()
-@click.argument("a", type=_PATH)
-@click.argument("b", type=_PATH)
+@click.argument("a")
+@click.argument("b")
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
-def diff(a: Path, b: Path, json: bool) -> None:
-    """What differs between two checkpoints; exit 0 when they are the same, 1 when they differ."""
+@remote_options
+def diff(a: str, b: str, json: bool, **remote) -> None:
+    """What differs between two checkpoints (directories, manifest files or URIs); exit 0 when they are the
+    same, 1 when they differ."""
     import msgspec
 
     from .checkpoint import load_manifest
     from .diff import diff_manifests
 
+    options = _remote(**remote)
     try:
-        ma, _ = load_manifest(a)
-        mb, _ = load_manifest(b)
+        ma, _ = load_manifest(_location(a), remote=options)
+        mb, _ = load_manifest(_location(b), remote=options)
     except TensorizerManifestError as exc:
         _fail(exc)
     result = diff_manifests(ma, mb)
@@ -309,7 +368,7 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
 
 @app.command()
 @click.argument("src")
-@click.argument("out", type=_PATH)
+@click.argument("out")
 @click.option("--dtype", default="auto", show_default=True, help="Model dtype, as vLLM's --dtype.")
 @click.option("--quantization", default=None, help="As vLLM's --quantization.")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
@@ -353,9 +412,10 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
+@remote_options
 def save(
     src: str,
-    out: Path,
+    out: str,
     dtype,
     quantization,
     tensor_parallel_size,
@@ -370,10 +430,13 @@ def save(
     portable: bool,
     allow_unverified: bool,
     signing_key_file: Path | None,
+    s3_access_key_id: str | None,
+    s3_secret_access_key: str | None,
+    s3_endpoint: str | None,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
-    *.manifest.json)."""
+    *.manifest.json). OUT is a directory or s3://bucket/prefix (uploaded tensors first, manifests last)."""
     from .errors import ConfigurationError
     from .save import save_checkpoint
 
@@ -398,6 +461,9 @@ def save(
             allow_unverified=allow_unverified,
             engine_args=engine_args,
             signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
+            s3_access_key_id=s3_access_key_id,
+            s3_secret_access_key=s3_secret_access_key,
+            s3_endpoint=s3_endpoint,
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -410,7 +476,47 @@ def save(
             f"{rank['raw_layers']} raw) and {Path(rank['manifest']).name}"
         )
     console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
-    console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+    if isinstance(result.out_dir, str):
+        console().print(
+            f"load it with: tensorizer-manifest fetch {result.out_dir} DIR, then LLM(model=DIR, "
+            f"load_format='tensorizer_manifest', model_loader_extra_config={{'checkpoint_dir': {result.out_dir!r}}})"
+        )
+    else:
+        console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+
+
+@app.command()
+@click.argument("uri")
+@click.argument("cache_dir", type=_PATH)
+@remote_options
+def fetch(uri: str, cache_dir: Path, **remote) -> None:
+    """Download the config and tokenizer files (no weights) of the remote checkpoint URI into CACHE_DIR.
+
+    vLLM's model must be a local directory: start it with model=CACHE_DIR,
+    load_format='tensorizer_manifest' and model_loader_extra_config={"checkpoint_dir": URI}; the tensors
+    stream from URI at load."""
+    from .remote import fetch_model_files, is_remote
+
+    if not is_remote(uri):
+        err_console().print(f"[red]error:[/red] {uri}: not an s3:// or http(s):// URI", highlight=False)
+        raise SystemExit(2)
+    try:
+        target = fetch_model_files(uri, cache_dir, _remote(**remote))
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    console().print(f"fetched {', '.join(sorted(p.name for p in target.iterdir()))} into {target}", highlight=False)
+    config = json_dumps({"checkpoint_dir": uri})
+    console().print(
+        f"start vLLM with: --model {target} --load-format tensorizer_manifest --model-loader-extra-config '{config}'",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def json_dumps(value: object) -> str:
+    import json
+
+    return json.dumps(value)
 
 
 @app.command()

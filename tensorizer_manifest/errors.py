@@ -8,7 +8,11 @@
     ├── IntegrityError (ValueError)            tensor file and manifest disagree (size, hash, records)
     ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
-    └── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
+    ├── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
+    └── RemoteStorageError (OSError)           s3:// or http(s):// storage failed; a transfer cut short
+        ├── RemoteNotFoundError (CheckpointNotFoundError too)   no object at that URI
+        ├── RemoteAccessError (PermissionError)                 the credentials were refused
+        └── RemoteUnreachableError (ConnectionError)            the endpoint cannot be reached
 
 Each class also inherits the builtin it refines (as huggingface_hub does), so
 callers that only know builtins still catch them. Messages say what is wrong
@@ -64,6 +68,25 @@ class ReplayError(TensorizerManifestError, RuntimeError):
     """Rebuilding a layer's runtime state failed, or left it incomplete."""
 
 
+class RemoteStorageError(TensorizerManifestError, OSError):
+    """Remote storage (``s3://``, ``http(s)://``) failed: a transfer cut short, an unexpected answer.
+
+    Messages name the URI and the kind of failure, never a credential.
+    """
+
+
+class RemoteNotFoundError(RemoteStorageError, CheckpointNotFoundError):
+    """No object (or bucket) at that URI."""
+
+
+class RemoteAccessError(RemoteStorageError, PermissionError):
+    """The server refused the credentials (unknown key id, wrong secret, no permission)."""
+
+
+class RemoteUnreachableError(RemoteStorageError, ConnectionError):
+    """The endpoint cannot be reached (refused connection, unknown host, timeout)."""
+
+
 __all__ = [
     "TensorizerManifestError",
     "ManifestError",
@@ -74,4 +97,8 @@ __all__ = [
     "CompatibilityError",
     "UnsupportedModelError",
     "ReplayError",
+    "RemoteStorageError",
+    "RemoteNotFoundError",
+    "RemoteAccessError",
+    "RemoteUnreachableError",
 ]

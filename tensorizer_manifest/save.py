@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from . import _vllm_compat
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, SIGNING_KEY_ENV, SPILL_DIR_ENV, WORKER_EXTENSION
 from .checkpoint import signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
+from .remote import RemoteDir, RemoteOptions, describe_validation_error, is_remote, upload_checkpoint
 from .write import copy_model_files
 
 
@@ -56,19 +58,36 @@ class SaveOptions(BaseModel):
             "only the key's holders can make; without one, with a plain digest."
         ),
     )
+    s3_access_key_id: str | None = Field(None, repr=False, description="For an s3:// OUT (else ~/.s3cfg, env).")
+    s3_secret_access_key: SecretStr | None = Field(
+        None, repr=False, description="For an s3:// OUT (else ~/.s3cfg, AWS_SECRET_ACCESS_KEY)."
+    )
+    s3_endpoint: str | None = Field(None, description="For an s3:// OUT (else ~/.s3cfg, AWS_ENDPOINT_URL).")
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
-        """Validated options; a mistake is a ``ConfigurationError`` naming the option."""
+        """Validated options; a mistake is a ``ConfigurationError`` naming the option (never its value)."""
         try:
             return cls(**options)
         except ValidationError as exc:
-            raise ConfigurationError(f"invalid save option: {exc}") from None
+            raise ConfigurationError(f"invalid save option: {describe_validation_error(exc)}") from None
+
+    def remote(self) -> RemoteOptions:
+        secret = self.s3_secret_access_key
+        return RemoteOptions(
+            access_key_id=self.s3_access_key_id,
+            secret_access_key=secret.get_secret_value() if secret is not None else None,
+            endpoint=self.s3_endpoint,
+        )
+
+
+_NO_REMOTE = {"s3_access_key_id": None, "s3_secret_access_key": None, "s3_endpoint": None}
 
 
 @dataclass
 class SaveResult:
-    out_dir: Path
+    out_dir: Path | str
+    """The local directory, or the ``s3://`` URI the checkpoint was uploaded to."""
     ranks: list[dict] = field(default_factory=list)
     copied_files: list[str] = field(default_factory=list)
 
@@ -122,8 +141,23 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     pre-step tensors of layers with a post-load step wait in a nameless
     temporary file on ``out``'s filesystem (``$TENSORIZER_MANIFEST_SPILL_DIR``
     when set), not in memory: about the model's size of free disk besides it.
+    An ``s3://bucket/prefix``
+    ``out`` is saved into a temporary directory first, then uploaded: tensor files,
+    then config and tokenizer files, manifests last (credentials: the ``s3_*``
+    options, else ``~/.s3cfg``, else ``AWS_*`` variables).
     """
     opts = SaveOptions.parse(options)
+    if is_remote(str(out)):
+        remote = opts.remote()
+        RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts
+        if not str(out).lower().startswith("s3://"):
+            raise ConfigurationError(f"{out}: only s3:// checkpoints can be written; http(s) is read-only")
+        with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-save-") as staging:
+            local = save_checkpoint(src, staging, **{**options, **_NO_REMOTE})
+            upload_checkpoint(Path(staging), str(out), remote)
+        return SaveResult(out_dir=str(out).rstrip("/"), ranks=local.ranks, copied_files=local.copied_files)
+    if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
+        raise ConfigurationError("the s3_* options are for an s3:// output; this output is a local directory")
     key_file = signing_key_file_path(opts.signing_key_file)
     src_dir = resolve_model_dir(str(src), opts.revision)
     out_dir = Path(out).expanduser().resolve()

@@ -1,8 +1,11 @@
 """The tensor file on disk: writing it with tensorizer, reading it back, its index, prefix and head hash.
 
-The only module that imports tensorizer, so a tensorizer upgrade touches one
-file. Tensors go in contiguous and with their dtype untouched; the manifest
-(``tensors.py``) carries everything else about their form.
+The only module that imports tensorizer's serialization, so a tensorizer
+upgrade touches one file (``remote`` uses its ``stream_io`` to move bytes).
+Tensors go in contiguous and with their dtype untouched; the manifest
+(``tensors.py``) carries everything else about their form. A tensor file is a
+local ``Path`` or a ``remote.RemoteFile``: the reader then streams it from
+storage, and the checks before it read their bytes with ranged requests.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from typing import NamedTuple
 import blake3
 import torch
 
-from .errors import IntegrityError
+from .errors import IntegrityError, TensorizerManifestError
+from .remote import RemoteFile, transfer_error
 
 #: Bytes read at a time when hashing the non-data parts of a tensor file.
 _CHUNK = 1 << 20
+#: Remote head hashing reads through tensor data shorter than this rather than make another request.
+_REMOTE_MERGE = 4 << 20
 
 
 class IndexEntry(NamedTuple):
@@ -66,20 +72,36 @@ class TensorFileReader:
     allocated tensors, which become the model's tensors without another copy.
     """
 
-    def __init__(self, path: Path, device: str = "cpu", num_readers: int | None = None):
+    def __init__(self, path: Path | RemoteFile, device: str = "cpu", num_readers: int | None = None):
         from tensorizer import TensorDeserializer
 
-        self.path = Path(path)
+        self.path = path if isinstance(path, RemoteFile) else Path(path)
         self.num_readers = num_readers or default_num_readers()
+        source: object = str(self.path)
+        if isinstance(self.path, RemoteFile):
+            source = self.path.open()
+            headers = getattr(source, "response_headers", None) or {}
+            if headers.get("accept-ranges") != "bytes":
+                self.num_readers = 1  # parallel readers need range requests
         try:
             self._deserializer = TensorDeserializer(
-                str(self.path), device=device, lazy_load=True, verify_hash=False, num_readers=self.num_readers
+                source, device=device, lazy_load=True, verify_hash=False, num_readers=self.num_readers
             )
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
-            raise IntegrityError(
-                f"{self.path.name}: tensorizer cannot open the file ({type(exc).__name__}: {exc})"
+            if not isinstance(source, str):
+                source.close()  # type: ignore[attr-defined]
+            raise self._failure(
+                exc, "opening it", f"tensorizer cannot open the file ({type(exc).__name__}: {exc})"
             ) from None
         self.keys = set(self._deserializer.keys())
+
+    def _failure(self, exc: BaseException, doing: str, damaged: str) -> TensorizerManifestError:
+        """A remote transfer that failed is a ``RemoteStorageError``; anything else means a damaged file."""
+        if isinstance(self.path, RemoteFile):
+            typed = transfer_error(exc, str(self.path), doing)
+            if typed is not None:
+                return typed
+        return IntegrityError(f"{self.path.name}: {damaged}")
 
     def read(self, key: str) -> torch.Tensor:
         if key not in self.keys:
@@ -87,8 +109,10 @@ class TensorFileReader:
         try:
             tensor = self._deserializer[key]
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
-            raise IntegrityError(
-                f"{self.path.name}: tensor {key!r} cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+            raise self._failure(
+                exc,
+                f"reading {key!r}",
+                f"tensor {key!r} cannot be read ({type(exc).__name__}: {exc}); the file is damaged",
             ) from None
         return tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
 
@@ -98,8 +122,8 @@ class TensorFileReader:
             for _, _, key, tensor in self._deserializer.read_tensors():
                 yield str(key), (tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
-            raise IntegrityError(
-                f"{self.path.name}: the file cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
+            raise self._failure(
+                exc, "reading tensors", f"the file cannot be read ({type(exc).__name__}: {exc}); the file is damaged"
             ) from None
 
     def close(self) -> None:
@@ -120,7 +144,7 @@ def _torch_dtype_name(tensorizer_dtype: str) -> str:
     return str(np.dtype(tensorizer_dtype))
 
 
-def read_index(path: Path) -> dict[str, IndexEntry]:
+def read_index(path: Path | RemoteFile) -> dict[str, IndexEntry]:
     """tensorizer's index of a file, by tensor name. Reads no tensor data.
 
     Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
@@ -128,7 +152,18 @@ def read_index(path: Path) -> dict[str, IndexEntry]:
     """
     from tensorizer import TensorDeserializer
 
-    deserializer = TensorDeserializer(str(path), device="cpu", lazy_load=True, verify_hash=False)
+    if isinstance(path, RemoteFile):
+        stream = path.open()
+        try:
+            deserializer = TensorDeserializer(stream, device="cpu", lazy_load=True, verify_hash=False, num_readers=1)
+        except Exception as exc:
+            stream.close()
+            typed = transfer_error(exc, str(path), "reading its index")
+            if typed is not None:
+                raise typed from None
+            raise
+    else:
+        deserializer = TensorDeserializer(str(path), device="cpu", lazy_load=True, verify_hash=False)
     try:
         index = {}
         for key, entry in deserializer._metadata.items():
@@ -145,7 +180,7 @@ def read_index(path: Path) -> dict[str, IndexEntry]:
         deserializer.close()
 
 
-def head_hash(path: Path, index: dict[str, IndexEntry] | None = None) -> str:
+def head_hash(path: Path | RemoteFile, index: dict[str, IndexEntry] | None = None) -> str:
     """blake3 of every byte of the file that is not tensor data.
 
     That is tensorizer's file header, its index and each tensor's own header
@@ -155,11 +190,13 @@ def head_hash(path: Path, index: dict[str, IndexEntry] | None = None) -> str:
     """
     if index is None:
         index = read_index(path)
-    size = path.stat().st_size
+    size = path.size() if isinstance(path, RemoteFile) else path.stat().st_size
     # Clamped: a damaged index may claim offsets past the end (reported elsewhere); never seek there.
     spans = sorted(
         (min(max(e.data_offset, 0), size), min(max(e.data_offset + e.data_length, 0), size)) for e in index.values()
     )
+    if isinstance(path, RemoteFile):
+        return _remote_head_hash(path, spans, size)
     h = blake3.blake3()
     position = 0
     with open(path, "rb") as f:
@@ -186,12 +223,56 @@ def prefix_size(index: dict[str, IndexEntry], file_size: int) -> int:
     return min((e.header_offset for e in index.values()), default=file_size)
 
 
-def prefix_hash(path: Path, length: int) -> str:
+def _keep_ranges(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of the file that are not tensor data, in order."""
+    keep, position = [], 0
+    for start, end in [*spans, (size, size)]:
+        if start > position:
+            keep.append((position, start))
+        position = max(position, end)
+    return keep
+
+
+def _remote_head_hash(path: RemoteFile, spans: list[tuple[int, int]], size: int) -> str:
+    """``head_hash`` with ranged requests: one per run of header bytes, reading through short tensor data."""
+    keep = _keep_ranges(spans, size)
+    requests: list[list[tuple[int, int]]] = []
+    for begin, end in keep:
+        if requests and begin - requests[-1][-1][1] < _REMOTE_MERGE:
+            requests[-1].append((begin, end))
+        else:
+            requests.append([(begin, end)])
+    h = blake3.blake3()
+    for group in requests:
+        position = group[0][0]
+        wanted = iter(group)
+        current = next(wanted)
+        for chunk in path.read_range(group[0][0], group[-1][1]):
+            offset = 0
+            while offset < len(chunk) and current is not None:
+                absolute = position + offset
+                if absolute < current[0]:
+                    offset = min(len(chunk), current[0] - position)
+                    continue
+                take = min(len(chunk) - offset, current[1] - absolute)
+                h.update(chunk[offset : offset + take])
+                offset += take
+                if position + offset >= current[1]:
+                    current = next(wanted, None)
+            position += len(chunk)
+    return "blake3:" + h.hexdigest()
+
+
+def prefix_hash(path: Path | RemoteFile, length: int) -> str:
     """blake3 of the first ``length`` bytes, read in bounded chunks: never more than ``length`` bytes, no tensorizer.
 
     The caller caps ``length`` at the file's size; a file shorter than that hashes what it has.
     """
     h = blake3.blake3()
+    if isinstance(path, RemoteFile):
+        for chunk in path.read_range(0, length):
+            h.update(chunk)
+        return "blake3:" + h.hexdigest()
     remaining = length
     with open(path, "rb") as f:
         while remaining > 0:

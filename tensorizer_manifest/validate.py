@@ -12,6 +12,8 @@ file and not overlapping). Content hashes are checked last, one tensor at a time
 ``validate_checkpoint`` collects every problem into a frozen report (as
 huggingface_hub's cache verification does); the loader calls
 ``check_files`` and raises the first kind of problem with all of them listed.
+A remote checkpoint (``s3://``, ``http(s)://``) gets the same checks: its
+prefix and headers with ranged reads, its content hashes as it streams.
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._constants import SIGNING_KEY_ENV
-from .checkpoint import load_manifest, read_manifest, resolve_tensor_file, signing_key_from
+from .checkpoint import FileLocation, file_size, load_manifest, read_manifest, resolve_tensor_file, signing_key_from
 from .errors import (
     CompatibilityError,
     ConfigurationError,
     IntegrityError,
     ManifestError,
+    RemoteStorageError,
     TensorizerManifestError,
 )
 from .fingerprint import settings_differences
+from .remote import RemoteFile, RemoteOptions
 from .restorers import known_replays
 from .schema import (
     ALLOWED_PARAM_MODULES,
@@ -69,8 +73,8 @@ class Problem:
 class ValidationReport:
     """What ``validate_checkpoint`` checked and found; ``ok`` when it found nothing."""
 
-    manifest_path: Path | None
-    tensor_path: Path | None
+    manifest_path: FileLocation | None
+    tensor_path: FileLocation | None
     records: int = 0
     stored: int = 0
     hashes_checked: int = 0
@@ -187,7 +191,7 @@ def unsealed_warning(manifest: Manifest) -> str | None:
 
 
 def check_manifest(
-    manifest: Manifest, manifest_path: Path, signing_key: SigningKey | None = None
+    manifest: Manifest, manifest_path: FileLocation, signing_key: SigningKey | None = None
 ) -> tuple[list[Problem], dict[str, TensorRecord]]:
     """The seal, then record-level checks; returns problems and the stored records by file key."""
     problems: list[Problem] = []
@@ -255,10 +259,20 @@ def _check_alias(name: str, record: TensorRecord, records_by_name: dict[str, Ten
         )
 
 
-def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, TensorRecord]) -> list[Problem]:
-    """File-level checks from metadata only: size, head hash, tensorizer's index."""
+def check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
+    """File-level checks from metadata only: size, head hash, tensorizer's index.
+
+    A remote file that cannot be read is one problem of its ``RemoteStorageError`` kind.
+    """
+    try:
+        return _check_tensor_file(manifest, tensor_path, by_key)
+    except RemoteStorageError as exc:
+        return [Problem(type(exc), str(tensor_path), str(exc))]
+
+
+def _check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
     where = str(tensor_path)
-    size = tensor_path.stat().st_size
+    size = file_size(tensor_path)
     if size != manifest.tensor_file.size:
         return [
             Problem(
@@ -276,6 +290,8 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
         return [prefix]  # tensorizer never sees a file whose header and index are not the saved ones
     try:
         index = read_index(tensor_path)
+    except RemoteStorageError:
+        raise
     except Exception as exc:  # tensorizer raises many kinds on a damaged file
         return [
             Problem(
@@ -336,7 +352,7 @@ def check_tensor_file(manifest: Manifest, tensor_path: Path, by_key: dict[str, T
     return problems
 
 
-def _check_prefix(manifest: Manifest, tensor_path: Path, size: int) -> Problem | None:
+def _check_prefix(manifest: Manifest, tensor_path: FileLocation, size: int) -> Problem | None:
     """tensorizer's file header and index against the manifest, with plain reads of at most the file's size.
 
     tensorizer believes the size fields it finds there (a damaged index length
@@ -360,7 +376,7 @@ def _check_prefix(manifest: Manifest, tensor_path: Path, size: int) -> Problem |
     return None
 
 
-def check_files(manifest: Manifest, manifest_path: Path, signing_key: SigningKey | None = None) -> Path:
+def check_files(manifest: Manifest, manifest_path: FileLocation, signing_key: SigningKey | None = None) -> FileLocation:
     """Everything but content hashes; raises on the first kind of problem. Used by the loader."""
     problems, by_key = check_manifest(manifest, manifest_path, signing_key)
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
@@ -371,16 +387,22 @@ def check_files(manifest: Manifest, manifest_path: Path, signing_key: SigningKey
 
 
 def validate_checkpoint(
-    path: str | Path, *, verify_hashes: bool = True, signing_key_file: str | os.PathLike | None = None
+    path: str | Path | RemoteFile,
+    *,
+    verify_hashes: bool = True,
+    signing_key_file: str | os.PathLike | None = None,
+    remote: RemoteOptions | None = None,
 ) -> ValidationReport:
     """Every check, every problem: for ``tensorizer-manifest validate``. Never raises for bad input.
 
+    ``path`` is a directory, a manifest file or a URI (``s3://bucket/prefix``,
+    ``https://host/path``; ``remote`` holds credentials and endpoint).
     ``signing_key_file`` (else ``$TENSORIZER_MANIFEST_SIGNING_KEY``) names the key
     of a ``mac`` seal; with a key, only a seal made with it passes.
     """
     try:
         signing_key = signing_key_from(signing_key_file)
-        manifest, manifest_path = load_manifest(path)
+        manifest, manifest_path = load_manifest(path, remote=remote)
     except TensorizerManifestError as exc:
         return ValidationReport(None, None, problems=(Problem(type(exc), str(path), str(exc)),))
     problems, by_key = check_manifest(manifest, manifest_path, signing_key)
@@ -399,7 +421,7 @@ def validate_checkpoint(
     return ValidationReport(manifest_path, tensor_path, records, len(by_key), checked, tuple(problems), warnings)
 
 
-def _check_hashes(tensor_path: Path, by_key: dict[str, TensorRecord]) -> tuple[list[Problem], int]:
+def _check_hashes(tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> tuple[list[Problem], int]:
     """Read every stored tensor (tensorizer's parallel readers, in file order) and check its content hash."""
     where = str(tensor_path)
     problems: list[Problem] = []
@@ -422,7 +444,7 @@ def _check_hashes(tensor_path: Path, by_key: dict[str, TensorRecord]) -> tuple[l
 
 
 def check_engine_settings(
-    manifest_path: Path,
+    manifest_path: FileLocation,
     *,
     dtype: str | None = None,
     quantization: str | None = None,

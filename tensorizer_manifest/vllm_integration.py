@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -29,6 +29,7 @@ from .checkpoint import checkpoint_stem, load_manifest, signing_key_from
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
+from .remote import CREDENTIAL_OPTIONS, RemoteOptions, describe_validation_error
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
 from .validate import check_files, unsealed_warning
@@ -78,6 +79,15 @@ class LoadOptions(BaseModel):
         description="Path of the key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); "
         "with a key, only a manifest sealed with it loads.",
     )
+    s3_access_key_id: str | None = Field(
+        None, repr=False, description="S3 access key id (else ~/.s3cfg, else AWS_ACCESS_KEY_ID)."
+    )
+    s3_secret_access_key: SecretStr | None = Field(
+        None, repr=False, description="S3 secret access key (else ~/.s3cfg, else AWS_SECRET_ACCESS_KEY)."
+    )
+    s3_endpoint: str | None = Field(
+        None, description="S3 endpoint URL (else host_base in ~/.s3cfg, else AWS_ENDPOINT_URL)."
+    )
 
     @classmethod
     def from_load_config(cls, load_config: Any) -> LoadOptions:
@@ -85,7 +95,18 @@ class LoadOptions(BaseModel):
         try:
             return cls(**raw)
         except ValidationError as exc:
-            raise ConfigurationError(f"invalid model_loader_extra_config for {LOAD_FORMAT}: {exc}") from None
+            raise ConfigurationError(
+                f"invalid model_loader_extra_config for {LOAD_FORMAT}: {describe_validation_error(exc)}"
+            ) from None
+
+    def remote(self) -> RemoteOptions:
+        """Credentials and endpoint for a remote ``checkpoint_dir`` (unset ones resolved as tensorizer does)."""
+        secret = self.s3_secret_access_key
+        return RemoteOptions(
+            access_key_id=self.s3_access_key_id,
+            secret_access_key=secret.get_secret_value() if secret is not None else None,
+            endpoint=self.s3_endpoint,
+        )
 
 
 class CaptureOptions(BaseModel):
@@ -104,7 +125,9 @@ class CaptureOptions(BaseModel):
         try:
             return cls(**raw)
         except ValidationError as exc:
-            raise ConfigurationError(f"invalid model_loader_extra_config for {CAPTURE_LOAD_FORMAT}: {exc}") from None
+            raise ConfigurationError(
+                f"invalid model_loader_extra_config for {CAPTURE_LOAD_FORMAT}: {describe_validation_error(exc)}"
+            ) from None
 
 
 def rank_stem(vllm_config: Any) -> str:
@@ -130,7 +153,7 @@ class _Clock:
 class ManifestModelLoader(BaseModelLoader):
     """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
 
-    def download_model(self, model_config) -> None:  # local checkpoints only
+    def download_model(self, model_config) -> None:  # tensors are streamed from checkpoint_dir at load
         return None
 
     def load_weights(self, model, model_config) -> None:
@@ -142,9 +165,9 @@ class ManifestModelLoader(BaseModelLoader):
 
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
-        checkpoint = Path(options.checkpoint_dir or model_config.model)
+        checkpoint = options.checkpoint_dir or model_config.model
         signing_key = signing_key_from(options.signing_key_file)
-        manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config))
+        manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config), remote=options.remote())
         tensor_path = check_files(manifest, manifest_path, signing_key)
         unsealed = unsealed_warning(manifest) if signing_key is None else None
         if unsealed:
@@ -240,7 +263,12 @@ def apply_cpu_gemm_from_env() -> None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register both load formats in this process."""
+    """``vllm.general_plugins`` entry point: register both load formats in this process.
+
+    It also keeps vLLM from logging S3 credentials given in ``model_loader_extra_config`` (vLLM logs its
+    engine arguments, that dict included, after loading plugins).
+    """
+    _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
     apply_cpu_gemm_from_env()
     _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
     _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)

@@ -16,6 +16,7 @@ import torch
 from ._constants import PRODUCER
 from .capture import Capture
 from .layers import TensorSlot
+from .remote import is_model_file
 from .schema import (
     FORMAT_VERSION,
     MANIFEST_SUFFIX,
@@ -33,10 +34,6 @@ from .schema import (
 )
 from .tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
 from .tensors import make_record
-
-#: Files of a model directory that are weights, not configuration: never copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".tensors", ".gguf", ".msgpack", ".h5", ".ckpt")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, TensorSlot]]]:
@@ -188,11 +185,7 @@ def copy_model_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(src_dir.iterdir()):
-        if not path.is_file() or path.name.startswith("."):
-            continue
-        if path.name.endswith(_WEIGHT_SUFFIXES) or path.name in _WEIGHT_INDEXES:
-            continue
-        if path.name.endswith(MANIFEST_SUFFIX):
+        if not path.is_file() or not is_model_file(path.name):
             continue
         tmp = out_dir / f".{path.name}.{os.getpid()}.tmp"
         shutil.copy2(path, tmp)

@@ -21,8 +21,14 @@ def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
-def run_script(script: str, *args: str, marker: str, timeout: int = 900) -> dict:
+def run_script(
+    script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
+) -> dict:
+    """Run a scenario script; its result is the JSON after ``marker``. ``env`` adds variables;
+    with ``output`` the result also holds everything it printed (``_output``), for tests that grep it."""
+    extra = env or {}
     env = dict(os.environ)
+    env.update(extra)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -36,7 +42,10 @@ def run_script(script: str, *args: str, marker: str, timeout: int = 900) -> dict
     )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(marker + " "):
-            return json.loads(line[len(marker) + 1 :])
+            result = json.loads(line[len(marker) + 1 :])
+            if output:
+                result["_output"] = proc.stdout + proc.stderr
+            return result
     raise AssertionError(
         f"{script} {' '.join(args)} printed no {marker} (exit {proc.returncode}):\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -68,6 +77,33 @@ class Scenarios:
 @pytest.fixture(scope="session")
 def scenarios(e2e_dir) -> Scenarios:
     return Scenarios(e2e_dir)
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """moto's S3 server on 127.0.0.1 (any credentials accepted), for the session; stopped at its end."""
+    from helpers.servers import MotoS3
+
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_s3_auth():
+    """moto's S3 server that checks credentials (IAM), for the refusal tests; stopped at the session's end."""
+    from helpers.servers import MotoS3
+
+    with MotoS3(auth=True) as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_s3_config(monkeypatch, tmp_path_factory):
+    """No test reads this machine's AWS settings: AWS_* unset, no AWS config files (remote tests set HOME too)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path_factory.getbasetemp() / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path_factory.getbasetemp() / "no-aws-credentials"))
 
 
 # tests/ on sys.path, so `helpers` (synthetic checkpoints, the bad-input catalog) imports plainly.

@@ -20,6 +20,8 @@ def test_public_api_is_what_was_meant():
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
         "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
+        "RemoteOptions", "fetch_model_files", "upload_checkpoint",
+        "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
     }  # fmt: skip
     for name in tm.__all__:
         assert getattr(tm, name) is not None, name
@@ -41,8 +43,13 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(tm.ConfigurationError, ValueError)
     assert issubclass(tm.ReplayError, RuntimeError)
+    assert issubclass(tm.RemoteStorageError, OSError)
+    assert issubclass(tm.RemoteNotFoundError, tm.CheckpointNotFoundError)
+    assert issubclass(tm.RemoteAccessError, PermissionError) and issubclass(tm.RemoteAccessError, tm.RemoteStorageError)
+    assert issubclass(tm.RemoteUnreachableError, ConnectionError)
     for name in ("ManifestError", "CheckpointNotFoundError", "ConfigurationError", "IntegrityError",
-                 "CompatibilityError", "UnsupportedModelError", "ReplayError"):  # fmt: skip
+                 "CompatibilityError", "UnsupportedModelError", "ReplayError", "RemoteStorageError",
+                 "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError"):  # fmt: skip
         assert issubclass(getattr(tm, name), tm.TensorizerManifestError)
 
 

@@ -70,3 +70,29 @@ def test_the_signing_key_comes_from_the_option_else_the_environment(tmp_path, mo
     big.write_bytes(b"x" * (checkpoint.MAX_SIGNING_KEY_BYTES + 1))
     with pytest.raises(ConfigurationError, match="not a key file"):
         checkpoint.signing_key_from(big)
+
+
+def test_a_remote_manifest_is_found_and_read(moto_s3, tmp_path):
+    from helpers.servers import BUCKET, RangeHTTPServer
+
+    from tensorizer_manifest.errors import RemoteNotFoundError
+    from tensorizer_manifest.remote import RemoteFile, RemoteOptions, upload_checkpoint
+
+    local = write_synthetic_checkpoint(tmp_path / "ckpt")
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    uri = f"s3://{BUCKET}/checkpoint-test"
+    upload_checkpoint(local, uri, options)
+    expected = checkpoint.read_manifest(local)
+    for where in (uri, uri + "/", uri + "/model.manifest.json"):
+        manifest, path = checkpoint.load_manifest(where, remote=options)
+        assert manifest == expected and isinstance(path, RemoteFile) and str(path) == uri + "/model.manifest.json"
+    tensor = checkpoint.resolve_tensor_file(manifest, path)
+    assert str(tensor) == f"{uri}/{manifest.tensor_file.path}"
+    assert checkpoint.file_size(tensor) == manifest.tensor_file.size
+    with pytest.raises(RemoteNotFoundError, match="same tensor- and pipeline-parallel sizes"):
+        checkpoint.load_manifest(uri, "model-tp0-of-2", remote=options)
+    with RangeHTTPServer(tmp_path) as server:
+        assert checkpoint.read_manifest(f"{server.url}/ckpt") == expected
+        (local / manifest.tensor_file.path).unlink()
+        with pytest.raises(RemoteNotFoundError, match="tensor file named by the manifest is missing"):
+            checkpoint.resolve_tensor_file(manifest, RemoteFile(f"{server.url}/ckpt/model.manifest.json"))

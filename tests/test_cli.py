@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,87 @@ def test_kernels_json_lists_the_inventory_with_statuses():
     by_class = {e["vllm_class"].rsplit(".", 1)[-1]: e for e in inventory["entries"]}
     assert by_class["CPUWNA16LinearKernel"]["status"] == "verified on cpu"
     assert all(e["strategy"] != "no post-load step" for e in inventory["entries"])
+
+
+def run_remote(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The command with this checkout on the path, curl on PATH (tensorizer streams through it) and ``env``."""
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(root), "COLUMNS": "300", **env},
+    )
+
+
+def test_inspect_validate_diff_and_fetch_on_remote_checkpoints(moto_s3, tmp_path):
+    from helpers.servers import BUCKET, RangeHTTPServer
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.remote import RemoteOptions, upload_checkpoint
+
+    a, b = write_synthetic_checkpoint(tmp_path / "a"), write_synthetic_checkpoint(tmp_path / "b", seed=1)
+    (a / "config.json").write_text("{}")
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    upload_checkpoint(a, f"s3://{BUCKET}/cli/a", options)
+    upload_checkpoint(b, f"s3://{BUCKET}/cli/b", options)
+    by_env = moto_s3.env()
+    by_option = ["--s3-access-key-id", moto_s3.key_id, "--s3-secret-access-key", moto_s3.secret]
+    by_option += ["--s3-endpoint", moto_s3.endpoint]
+    outputs = []
+
+    shown = run_remote("inspect", f"s3://{BUCKET}/cli/a", "--json", env=by_env)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["summary"]["layers"] > 0
+    table = run_remote("inspect", f"s3://{BUCKET}/cli/a", *by_option, env={})
+    assert table.returncode == 0 and f"s3://{BUCKET}/cli/a/model.manifest.json" in table.stdout, table.stderr
+    valid = run_remote("validate", f"s3://{BUCKET}/cli/a", *by_option, env={})
+    assert valid.returncode == 0 and "valid" in valid.stdout and "content hashes checked" in valid.stdout
+    same = run_remote("diff", f"s3://{BUCKET}/cli/a", str(a), env=by_env)
+    assert same.returncode == 0, same.stderr
+    differ = run_remote("diff", f"s3://{BUCKET}/cli/a", f"s3://{BUCKET}/cli/b", "--json", env=by_env)
+    assert differ.returncode == 1 and json.loads(differ.stdout)["same"] is False
+    fetched = run_remote("fetch", f"s3://{BUCKET}/cli/a", str(tmp_path / "cache"), env=by_env)
+    assert fetched.returncode == 0, fetched.stderr
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["config.json"]
+    assert "--load-format tensorizer_manifest" in fetched.stdout
+    missing = run_remote("inspect", f"s3://{BUCKET}/cli/none", env=by_env)
+    assert (
+        missing.returncode == 1
+        and "RemoteNotFoundError" not in missing.stderr
+        and "no *.manifest.json" in (missing.stderr)
+    )
+    outputs += [shown, table, valid, same, differ, fetched, missing]
+
+    with RangeHTTPServer(tmp_path) as server:
+        served = run_remote("validate", f"{server.url}/a", env={})
+        assert served.returncode == 0, served.stderr
+    http_save = run_remote("save", str(a), "https://127.0.0.1:1/x", env={})
+    assert http_save.returncode == 2 and "read-only" in http_save.stderr
+    for proc in [*outputs, served, http_save]:
+        assert "Traceback" not in proc.stderr
+        assert moto_s3.secret not in proc.stdout + proc.stderr
+
+
+def test_wrong_credentials_and_an_unreachable_endpoint_are_one_line_each(moto_s3_auth, tmp_path):
+    from helpers.servers import BUCKET, closed_endpoint
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.remote import RemoteOptions, upload_checkpoint
+
+    server = moto_s3_auth
+    local = write_synthetic_checkpoint(tmp_path / "a")
+    upload_checkpoint(local, f"s3://{BUCKET}/cli-auth/a", RemoteOptions(server.key_id, server.secret, server.endpoint))
+    wrong = {**server.env(), "AWS_SECRET_ACCESS_KEY": "wrong-secret-from-the-environment"}
+    for args, env in (
+        (["inspect", f"s3://{BUCKET}/cli-auth/a"], wrong),
+        (["validate", f"s3://{BUCKET}/cli-auth/a", "--s3-secret-access-key", "wrong-secret-given-as-an-option"],
+         server.env()),
+    ):  # fmt: skip
+        proc = run_remote(*args, env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "access denied" in proc.stderr and "Traceback" not in proc.stderr
+        for secret in (server.secret, "wrong-secret-from-the-environment", "wrong-secret-given-as-an-option"):
+            assert secret not in proc.stdout + proc.stderr
+    away = run_remote("inspect", f"s3://{BUCKET}/cli-auth/a", "--s3-endpoint", closed_endpoint(), env=server.env())
+    assert away.returncode == 1 and "cannot be reached" in away.stderr

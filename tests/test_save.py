@@ -71,3 +71,23 @@ def test_the_engine_spills_pre_step_tensors_beside_the_output_and_the_environmen
     monkeypatch.setenv(SPILL_DIR_ENV, str(tmp_path / "mine"))
     save_checkpoint(src, out)
     assert seen[-1] == str(tmp_path / "mine") and os.environ[SPILL_DIR_ENV] == str(tmp_path / "mine")
+
+
+def test_remote_outputs_are_checked_before_an_engine_starts(tmp_path):
+    from tensorizer_manifest.save import save_checkpoint
+
+    with pytest.raises(ConfigurationError, match="read-only"):
+        save_checkpoint(tmp_path, "https://host/prefix")
+    with pytest.raises(ConfigurationError, match="credentials may not be part of the URI"):
+        save_checkpoint(tmp_path, "s3://key:secret-in-uri@bucket/prefix")
+    with pytest.raises(ConfigurationError, match="for an s3:// output"):
+        save_checkpoint(tmp_path, tmp_path / "out", s3_endpoint="http://127.0.0.1:1")
+
+
+def test_save_options_never_show_a_credential():
+    options = SaveOptions.parse({"s3_access_key_id": "AKIAEXAMPLEKEYID", "s3_secret_access_key": "s3cr3t-value-xyz"})
+    assert "s3cr3t-value-xyz" not in repr(options) and "AKIAEXAMPLEKEYID" not in repr(options)
+    assert options.remote().secret_access_key == "s3cr3t-value-xyz"
+    with pytest.raises(ConfigurationError) as exc:
+        SaveOptions.parse({"s3_secret_acess_key": "s3cr3t-value-xyz"})  # misspelled
+    assert "s3_secret_acess_key" in str(exc.value) and "s3cr3t-value-xyz" not in str(exc.value)

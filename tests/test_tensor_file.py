@@ -116,3 +116,45 @@ def test_prefix_hash_reads_no_more_than_asked(tensor_path, tmp_path):
     changed.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     assert prefix_hash(changed, 100) == prefix_hash(tensor_path, 100) != prefix_hash(changed, 101)
     assert prefix_hash(tensor_path, 10 * len(data)) == prefix_hash(tensor_path, len(data))  # a short file
+
+
+def test_a_remote_tensor_file_reads_and_hashes_as_the_local_one(tensor_path, monkeypatch):
+    """Over HTTP (Range support, 127.0.0.1): the index, the prefix and head hashes with ranged reads (one request,
+    and one per header run), and the reader streaming every tensor."""
+    from helpers.servers import RangeHTTPServer
+
+    from tensorizer_manifest import tensor_file
+    from tensorizer_manifest.remote import RemoteFile
+
+    index = read_index(tensor_path)
+    local_head = head_hash(tensor_path, index)
+    size = prefix_size(index, tensor_path.stat().st_size)
+    with RangeHTTPServer(tensor_path.parent) as server:
+        remote = RemoteFile(f"{server.url}/{tensor_path.name}")
+        assert read_index(remote) == index
+        assert prefix_hash(remote, size) == prefix_hash(tensor_path, size)
+        assert head_hash(remote, index) == local_head
+        monkeypatch.setattr(tensor_file, "_REMOTE_MERGE", 0)  # one request per run of header bytes
+        assert head_hash(remote, index) == local_head
+        with TensorFileReader(remote, num_readers=2) as reader:
+            got = dict(reader.stream())
+        assert set(got) == set(TENSORS)
+        for key, tensor in TENSORS.items():
+            assert hash_tensor(got[key]) == hash_tensor(tensor)
+
+
+def test_a_remote_reader_cut_off_mid_file_raises_a_remote_error(tmp_path):
+    from helpers.servers import RangeHTTPServer
+
+    from tensorizer_manifest.errors import RemoteStorageError
+    from tensorizer_manifest.remote import RemoteFile
+
+    path = tmp_path / "big.tensors"
+    write_tensor_file(path, [(f"t{i}", torch.full((256, 256), i, dtype=torch.float32)) for i in range(8)])
+    index = read_index(path)
+    cut = prefix_size(index, path.stat().st_size) + 600_000
+    with RangeHTTPServer(tmp_path, cut_after=cut) as server:
+        with pytest.raises(RemoteStorageError, match="cut short|closed the connection"):
+            with TensorFileReader(RemoteFile(f"{server.url}/{path.name}"), num_readers=1) as reader:
+                for _ in reader.stream():
+                    pass

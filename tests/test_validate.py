@@ -431,3 +431,34 @@ def test_without_a_recorded_prefix_tensorizer_allocates_what_the_index_claims(pr
     peak = _peak_bytes(lambda: reports.append(validate_checkpoint(d, verify_hashes=False)))
     assert not reports[0].ok
     assert peak >= CLAIM, peak
+
+
+def test_a_remote_checkpoint_validates_with_its_hashes_and_each_failure_is_typed(pristine, moto_s3, tmp_path):
+    from helpers.servers import BUCKET, RangeHTTPServer, closed_endpoint
+
+    from tensorizer_manifest.remote import RemoteOptions, upload_checkpoint
+
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    uri = f"s3://{BUCKET}/validate-test"
+    upload_checkpoint(pristine, uri, options)
+    report = validate_checkpoint(uri, remote=options)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored > 0 and str(report.tensor_path).startswith(uri + "/")
+    manifest, manifest_path = load_manifest(uri, remote=options)
+    assert str(check_files(manifest, manifest_path)) == str(report.tensor_path)
+
+    unreachable = RemoteOptions(moto_s3.key_id, moto_s3.secret, closed_endpoint())
+    [problem] = validate_checkpoint(uri, remote=unreachable).problems
+    assert problem.kind is errors.RemoteUnreachableError
+    [problem] = validate_checkpoint(f"s3://{BUCKET}/no-such-prefix", remote=options).problems
+    assert problem.kind is errors.RemoteNotFoundError
+
+    d = tmp_path / "served"
+    shutil.copytree(pristine, d / "ckpt")
+    size = manifest.tensor_file.size
+    cut = manifest.tensor_file.prefix_size + (size - manifest.tensor_file.prefix_size) // 2
+    with RangeHTTPServer(d, cut_after=cut) as server:  # stops sending halfway through the tensor data
+        report = validate_checkpoint(f"{server.url}/ckpt")
+    [problem] = report.problems
+    assert problem.kind is errors.RemoteStorageError and "cut short" in problem.message
+    assert not report.ok

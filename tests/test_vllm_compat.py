@@ -39,3 +39,17 @@ def test_a_missing_name_is_reported_with_the_vllm_version(monkeypatch):
 def test_engine_facts_outside_an_engine():
     assert _vllm_compat.parallel_ranks() == (0, 0)
     assert isinstance(_vllm_compat.onednn_enabled(), bool)
+
+
+def test_logged_engine_arguments_hide_credential_options(caplog):
+    import logging
+
+    from tensorizer_manifest import _vllm_compat
+
+    _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))
+    _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))  # once only
+    logger = logging.getLogger(_vllm_compat.ENGINE_ARGS_LOGGER)
+    assert sum(isinstance(f, _vllm_compat.RedactOptions) for f in logger.filters) == 1
+    with caplog.at_level(logging.INFO, logger=_vllm_compat.ENGINE_ARGS_LOGGER):
+        logger.info("non-default args: %s", {"model_loader_extra_config": {"s3_secret_access_key": "s3cr3t-xyz"}})
+    assert "s3cr3t-xyz" not in caplog.text and "'s3_secret_access_key': '***'" in caplog.text

@@ -26,6 +26,32 @@ def test_loader_options_are_validated():
         LoadOptions.from_load_config(LoadConfig())
 
 
+def test_remote_credentials_are_options_never_shown():
+    from tensorizer_manifest.vllm_integration import LoadOptions
+
+    class LoadConfig:
+        model_loader_extra_config = {
+            "checkpoint_dir": "s3://bucket/prefix",
+            "s3_access_key_id": "AKIAEXAMPLEKEYID",
+            "s3_secret_access_key": "s3cr3t-value-xyz",
+            "s3_endpoint": "http://127.0.0.1:9000",
+        }
+
+    options = LoadOptions.from_load_config(LoadConfig())
+    remote = options.remote()
+    assert (remote.access_key_id, remote.secret_access_key, remote.endpoint) == (
+        "AKIAEXAMPLEKEYID",
+        "s3cr3t-value-xyz",
+        "http://127.0.0.1:9000",
+    )
+    for text in (repr(options), str(options), repr(remote)):
+        assert "s3cr3t-value-xyz" not in text and "AKIAEXAMPLEKEYID" not in text
+    LoadConfig.model_loader_extra_config = {"s3_secret_key": "s3cr3t-value-xyz"}  # unknown: refused, not echoed
+    with pytest.raises(ConfigurationError, match="s3_secret_key") as exc:
+        LoadOptions.from_load_config(LoadConfig())
+    assert "s3cr3t-value-xyz" not in str(exc.value)
+
+
 def test_plugin_registers_both_load_formats_once():
     from vllm.model_executor.model_loader import get_model_loader  # noqa: F401  (public API)
 
