@@ -9,11 +9,13 @@ it too. Reading goes through ``schema.decode_manifest``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ._constants import SIGNING_KEY_ENV
 from .errors import (
     CheckpointNotFoundError,
+    CompatibilityError,
     ConfigurationError,
     ManifestError,
     RemoteNotFoundError,
@@ -41,6 +43,39 @@ def checkpoint_stem(tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_siz
     return stem
 
 
+_STEM = re.compile(r"^model(?:-tp(\d+)-of-(\d+))?(?:-pp(\d+)-of-(\d+))?$")
+
+
+def parallel_layout(stem: str) -> tuple[int, int] | None:
+    """``(tensor_parallel_size, pipeline_parallel_size)`` a checkpoint stem was saved with; None if not ours."""
+    match = _STEM.match(stem)
+    if match is None:
+        return None
+    return int(match.group(2) or 1), int(match.group(4) or 1)
+
+
+def layout_mismatch(where: object, wanted_stem: str, manifest_names: list[str]) -> CompatibilityError | None:
+    """Why a rank's manifest is missing when the checkpoint holds other ranks': the saved layout, named."""
+    saved = sorted(
+        {
+            layout
+            for name in manifest_names
+            if name.endswith(MANIFEST_SUFFIX)
+            and (layout := parallel_layout(name.removesuffix(MANIFEST_SUFFIX))) is not None
+        }
+    )
+    wanted = parallel_layout(wanted_stem)
+    if not saved or wanted is None or wanted in saved:
+        return None
+    layouts = " or ".join(f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}" for tp, pp in saved)
+    return CompatibilityError(
+        f"{where}: this checkpoint was saved with {layouts}; this engine runs tensor_parallel_size={wanted[0]}, "
+        f"pipeline_parallel_size={wanted[1]} and would need {wanted_stem}{MANIFEST_SUFFIX}. Start vLLM with the "
+        "saved sizes, or re-save the checkpoint with this engine's.",
+        [("parallel_layout", saved[0], wanted)],
+    )
+
+
 def find_manifest(
     path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
 ) -> FileLocation:
@@ -59,6 +94,9 @@ def find_manifest(
         candidate = path / (stem + MANIFEST_SUFFIX)
         if candidate.is_file():
             return candidate
+        mismatch = layout_mismatch(path, stem, [p.name for p in path.glob("*" + MANIFEST_SUFFIX)])
+        if mismatch is not None:
+            raise mismatch
         raise CheckpointNotFoundError(
             f"{path}: no {candidate.name}; save this checkpoint with `tensorizer-manifest save` "
             "using the same tensor- and pipeline-parallel sizes as this engine"
@@ -85,6 +123,10 @@ def _find_remote_manifest(location: RemoteFile | RemoteDir, stem: str | None) ->
         return location / found[0]
     candidate = location / ((stem or "model") + MANIFEST_SUFFIX)
     if not candidate.exists():
+        if stem is not None and location.scheme == "s3":
+            mismatch = layout_mismatch(location, stem, location.list_names())
+            if mismatch is not None:
+                raise mismatch
         hint = (
             "save this checkpoint with `tensorizer-manifest save` using the same tensor- and pipeline-parallel "
             "sizes as this engine"

@@ -6,7 +6,7 @@ import pytest
 from helpers.synthetic import write_synthetic_checkpoint
 
 from tensorizer_manifest import checkpoint
-from tensorizer_manifest.errors import CheckpointNotFoundError, ManifestError
+from tensorizer_manifest.errors import CheckpointNotFoundError, CompatibilityError, ManifestError
 
 
 def test_stems_per_rank():
@@ -25,6 +25,10 @@ def test_manifest_is_found_from_the_directory_or_the_file(tmp_path):
 
 def test_a_rank_manifest_that_is_missing_names_the_layout(tmp_path):
     d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CompatibilityError, match="saved with tensor_parallel_size=1, pipeline_parallel_size=1.*"
+                       "tensor_parallel_size=2.*would need model-tp1-of-2.manifest.json"):  # fmt: skip
+        checkpoint.find_manifest(d, "model-tp1-of-2")
+    (d / "model.manifest.json").unlink()
     with pytest.raises(CheckpointNotFoundError, match="model-tp1-of-2.manifest.json.*tensor- and pipeline-parallel"):
         checkpoint.find_manifest(d, "model-tp1-of-2")
 
@@ -89,10 +93,26 @@ def test_a_remote_manifest_is_found_and_read(moto_s3, tmp_path):
     tensor = checkpoint.resolve_tensor_file(manifest, path)
     assert str(tensor) == f"{uri}/{manifest.tensor_file.path}"
     assert checkpoint.file_size(tensor) == manifest.tensor_file.size
-    with pytest.raises(RemoteNotFoundError, match="same tensor- and pipeline-parallel sizes"):
+    with pytest.raises(CompatibilityError, match="saved with tensor_parallel_size=1, pipeline_parallel_size=1"):
         checkpoint.load_manifest(uri, "model-tp0-of-2", remote=options)
     with RangeHTTPServer(tmp_path) as server:
         assert checkpoint.read_manifest(f"{server.url}/ckpt") == expected
         (local / manifest.tensor_file.path).unlink()
         with pytest.raises(RemoteNotFoundError, match="tensor file named by the manifest is missing"):
             checkpoint.resolve_tensor_file(manifest, RemoteFile(f"{server.url}/ckpt/model.manifest.json"))
+
+
+def test_a_rank_layout_other_than_the_saved_one_is_named_before_anything_is_read(tmp_path):
+    from tensorizer_manifest.checkpoint import checkpoint_stem, find_manifest, parallel_layout
+    from tensorizer_manifest.errors import CompatibilityError
+
+    for rank in range(2):
+        (tmp_path / f"{checkpoint_stem(0, 1, rank, 2)}.manifest.json").write_text("{}")
+    assert parallel_layout("model-tp1-of-2-pp0-of-4") == (2, 4) and parallel_layout("other") is None
+    assert find_manifest(tmp_path, "model-pp1-of-2").name == "model-pp1-of-2.manifest.json"
+    with pytest.raises(CompatibilityError) as info:
+        find_manifest(tmp_path, checkpoint_stem(1, 2))  # an engine with TP=2, PP=1
+    message = str(info.value)
+    assert "saved with tensor_parallel_size=1, pipeline_parallel_size=2" in message
+    assert "this engine runs tensor_parallel_size=2, pipeline_parallel_size=1" in message
+    assert info.value.differences == [("parallel_layout", (1, 2), (2, 1))]
