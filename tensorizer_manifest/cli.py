@@ -95,6 +95,13 @@ def inspect(path: Path, json: bool) -> None:
     default=None,
     help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
 )
+@click.option(
+    "--encryption-key-file",
+    type=_PATH,
+    default=None,
+    help="Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
+    "hashes are checked after decryption. Without it, all else is checked.",
+)
 def validate(
     path: Path,
     json: bool,
@@ -105,13 +112,22 @@ def validate(
     pipeline_parallel_size,
     engine: bool,
     signing_key_file: Path | None,
+    encryption_key_file: Path | None,
 ) -> None:
     """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage."""
     import msgspec
 
+    from .progress import terminal_progress
     from .validate import check_engine_settings, validate_checkpoint
 
-    report = validate_checkpoint(path, verify_hashes=hashes, signing_key_file=signing_key_file)
+    with terminal_progress("hashing", enabled=hashes and not json) as progress:
+        report = validate_checkpoint(
+            path,
+            verify_hashes=hashes,
+            signing_key_file=signing_key_file,
+            encryption_key_file=encryption_key_file,
+            progress=progress,
+        )
     problems = list(report.problems)
     if report.manifest_path is not None:
         problems += check_engine_settings(
@@ -143,7 +159,8 @@ def validate(
         if not problems:
             console().print(
                 f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
-                f"{report.stored} stored, {report.hashes_checked} content hashes checked"
+                f"{report.stored} stored{', encrypted' if report.encrypted else ''}, "
+                f"{report.hashes_checked} content hashes checked"
             )
     raise SystemExit(1 if problems else 0)
 
@@ -353,6 +370,16 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
+@click.option(
+    "--encryption-key-file",
+    "--encrypt-key-file",
+    "encryption_key_file",
+    type=_PATH,
+    default=None,
+    help="Encrypt the tensor data with tensorizer's encryption under this key file (else "
+    "$TENSORIZER_MANIFEST_ENCRYPTION_KEY); without --signing-key-file the manifest is sealed with it too. "
+    "Loading needs the same key (encryption_key_file in model_loader_extra_config).",
+)
 def save(
     src: str,
     out: Path,
@@ -370,11 +397,13 @@ def save(
     portable: bool,
     allow_unverified: bool,
     signing_key_file: Path | None,
+    encryption_key_file: Path | None,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json)."""
     from .errors import ConfigurationError
+    from .progress import interactive
     from .save import save_checkpoint
 
     engine_args = parse_engine_args(engine_arg)
@@ -398,6 +427,8 @@ def save(
             allow_unverified=allow_unverified,
             engine_args=engine_args,
             signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
+            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+            progress=interactive(),
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -407,7 +438,8 @@ def save(
     for rank in result.ranks:
         console().print(
             f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "
-            f"{rank['raw_layers']} raw) and {Path(rank['manifest']).name}"
+            f"{rank['raw_layers']} raw{', encrypted' if rank.get('encryption', 'none') != 'none' else ''}) "
+            f"and {Path(rank['manifest']).name}"
         )
     console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
     console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
@@ -435,9 +467,10 @@ def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     from .demo import run_demo
+    from .progress import interactive
 
     try:
-        ok = run_demo(work_dir, kind, max_tokens, console())
+        ok = run_demo(work_dir, kind, max_tokens, console(), progress=interactive())
     except TensorizerManifestError as exc:
         _fail(exc)
     raise SystemExit(0 if ok else 1)
