@@ -70,3 +70,23 @@ def test_the_signing_key_comes_from_the_option_else_the_environment(tmp_path, mo
     big.write_bytes(b"x" * (checkpoint.MAX_SIGNING_KEY_BYTES + 1))
     with pytest.raises(ConfigurationError, match="not a key file"):
         checkpoint.signing_key_from(big)
+
+
+def test_the_encryption_key_comes_from_the_option_else_the_environment(tmp_path, monkeypatch):
+    from tensorizer_manifest.errors import ConfigurationError
+
+    key = tmp_path / "key"
+    key.write_bytes(b"e" * 32)
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    assert checkpoint.encryption_key_from(None) is None
+    assert checkpoint.encryption_key_from(key) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(key))
+    assert checkpoint.encryption_key_from(None) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", "e" * 64)  # the key itself, not its path
+    with pytest.raises(ConfigurationError, match=r"\$TENSORIZER_MANIFEST_ENCRYPTION_KEY.*not the key itself") as info:
+        checkpoint.encryption_key_from(None)
+    assert "e" * 64 not in str(info.value)
+    short = tmp_path / "short"
+    short.write_bytes(b"e" * 15)
+    with pytest.raises(ConfigurationError, match="encryption key has 15 bytes"):
+        checkpoint.encryption_key_from(short)

@@ -71,3 +71,21 @@ def test_the_engine_spills_pre_step_tensors_beside_the_output_and_the_environmen
     monkeypatch.setenv(SPILL_DIR_ENV, str(tmp_path / "mine"))
     save_checkpoint(src, out)
     assert seen[-1] == str(tmp_path / "mine") and os.environ[SPILL_DIR_ENV] == str(tmp_path / "mine")
+
+
+def test_an_encryption_key_file_is_checked_before_an_engine_starts(tmp_path, monkeypatch):
+    from tensorizer_manifest.save import encryption_key_file_path
+
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    assert encryption_key_file_path(None) is None
+    key = tmp_path / "key"
+    key.write_bytes(b"e" * 32)
+    assert encryption_key_file_path(str(key)) == str(key.resolve())
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(key))
+    assert encryption_key_file_path(None) == str(key.resolve())  # the workers get a path, never the key
+    short = tmp_path / "short"
+    short.write_bytes(b"e" * 8)
+    with pytest.raises(ConfigurationError, match="encryption key has 8 bytes"):
+        encryption_key_file_path(str(short))
+    options = SaveOptions.parse({"encryption_key_file": str(key), "progress": True})
+    assert options.encryption_key_file == str(key) and options.progress
