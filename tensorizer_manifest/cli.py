@@ -442,7 +442,12 @@ def save(
             f"and {Path(rank['manifest']).name}"
         )
     console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
-    console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+    extra = (
+        ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"
+        if encryption_key_file is not None
+        else ""
+    )
+    console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest'{extra})")
 
 
 @app.command()
