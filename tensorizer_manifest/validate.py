@@ -190,8 +190,8 @@ def check_seal(
     encrypted = manifest.tensor_file.encryption != "none"
     if encrypted and (seal is None or seal.mode == "digest"):
         return IntegrityError, (
-            "the manifest says its tensor file is encrypted but is not sealed with a key, as every encrypted "
-            "checkpoint's manifest is: it was edited or forged; re-save the checkpoint"
+            "the manifest was modified after it was saved, or forged: it says its tensor file is encrypted but is "
+            "not sealed with a key, as every encrypted checkpoint's manifest is; re-save the checkpoint"
         )
     if seal is not None and seal.mode == "mac-encryption-key":
         if signing_key is not None:

@@ -136,7 +136,7 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
 SEAL_GIST = "modified after it was saved"
 #: Other values of the Literal fields, so that an edit of one still decodes.
 _LITERALS = [("raw", "processed"), ("parameter", "buffer"), ("bfloat16", "float16"), ("float32", "int32"),
-             ("int8", "uint8")]  # fmt: skip
+             ("int8", "uint8"), ("none", "tensorizer-xsalsa20poly1305-blake3-key")]  # fmt: skip
 
 
 def _rich_checkpoint(pristine, directory):
