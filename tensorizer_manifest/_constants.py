@@ -23,6 +23,9 @@ CPU_GEMM_ENV = "TENSORIZER_MANIFEST_CPU_GEMM"
 #: Path of a signing key file, used when no ``signing_key_file`` option is given (save, load, validate).
 SIGNING_KEY_ENV = "TENSORIZER_MANIFEST_SIGNING_KEY"
 
+#: Path of an encryption key file, used when no ``encryption_key_file`` option is given (save, load, validate).
+ENCRYPTION_KEY_ENV = "TENSORIZER_MANIFEST_ENCRYPTION_KEY"
+
 #: Directory for the nameless temporary file that holds pre-step tensors while saving (default: the temp dir;
 #: ``save_checkpoint`` sets it to the output's filesystem).
 SPILL_DIR_ENV = "TENSORIZER_MANIFEST_SPILL_DIR"

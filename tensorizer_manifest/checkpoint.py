@@ -1,4 +1,4 @@
-"""Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names, the signing key.
+"""Where a checkpoint's files are: per-rank names, the manifest, the tensor file it names, the key files.
 
 A checkpoint is a local directory or a remote prefix (``s3://bucket/prefix``,
 ``https://host/path``, read through ``remote``); a manifest or tensor file is
@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from ._constants import SIGNING_KEY_ENV
+from ._constants import ENCRYPTION_KEY_ENV, SIGNING_KEY_ENV
 from .errors import (
     CheckpointNotFoundError,
     CompatibilityError,
@@ -22,14 +22,14 @@ from .errors import (
     TensorizerManifestError,
 )
 from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
-from .schema import MANIFEST_SUFFIX, Manifest, SigningKey, decode_manifest
+from .schema import MANIFEST_SUFFIX, EncryptionKey, Manifest, SigningKey, decode_manifest
 
 #: A manifest or tensor file: on disk, or an object in remote storage.
 FileLocation = Path | RemoteFile
 
 #: Manifests larger than this are refused before parsing.
 MAX_MANIFEST_BYTES = 256 << 20
-#: Signing key files larger than this are refused (a key is a few dozen bytes).
+#: Key files (signing or encryption) larger than this are refused (a key is a few dozen bytes).
 MAX_SIGNING_KEY_BYTES = 64 << 10
 
 
@@ -198,26 +198,38 @@ def resolve_tensor_file(manifest: Manifest, manifest_path: FileLocation) -> File
     return path
 
 
-def read_signing_key(path: str | os.PathLike, source: str = "signing_key_file") -> SigningKey:
-    """The key in a file: its bytes exactly (a trailing newline included), at least 16 of them.
-
-    Messages never show the file's name or content: a key pasted where its path
-    belongs must not end up in a log.
-    """
+def _read_key_file(path: str | os.PathLike, source: str, what: str) -> bytes:
+    """A key file's bytes exactly (a trailing newline included); messages never show its name or content:
+    a key pasted where its path belongs must not end up in a log."""
     try:
         with open(path, "rb") as f:
             material = f.read(MAX_SIGNING_KEY_BYTES + 1)
     except OSError as exc:
         raise ConfigurationError(
-            f"the signing key file given by {source} cannot be read ({exc.strerror or type(exc).__name__}); "
+            f"the {what} file given by {source} cannot be read ({exc.strerror or type(exc).__name__}); "
             "it must be the path of a file holding the key, not the key itself"
         ) from None
     if len(material) > MAX_SIGNING_KEY_BYTES:
         raise ConfigurationError(
-            f"the signing key file given by {source} is over {MAX_SIGNING_KEY_BYTES} bytes: not a key file"
+            f"the {what} file given by {source} is over {MAX_SIGNING_KEY_BYTES} bytes: not a key file"
         )
+    return material
+
+
+def read_signing_key(path: str | os.PathLike, source: str = "signing_key_file") -> SigningKey:
+    """The key in a file: its bytes exactly (a trailing newline included), at least 16 of them."""
+    material = _read_key_file(path, source, "signing key")
     try:
         return SigningKey(material)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source}: {exc}") from None
+
+
+def read_encryption_key(path: str | os.PathLike, source: str = "encryption_key_file") -> EncryptionKey:
+    """The encryption key in a file, under the signing key's rules (its bytes exactly, 16 bytes to 64 KiB)."""
+    material = _read_key_file(path, source, "encryption key")
+    try:
+        return EncryptionKey(material)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{source}: {exc}") from None
 
@@ -230,4 +242,15 @@ def signing_key_from(path: str | os.PathLike | None) -> SigningKey | None:
     from_env = os.environ.get(SIGNING_KEY_ENV)
     if from_env:
         return read_signing_key(from_env, source=f"${SIGNING_KEY_ENV}")
+    return None
+
+
+def encryption_key_from(path: str | os.PathLike | None) -> EncryptionKey | None:
+    """The encryption key of an entry point: the file its option names, else the file
+    ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY`` names, else None (tensor files are then written, and read, in plain)."""
+    if path is not None:
+        return read_encryption_key(path)
+    from_env = os.environ.get(ENCRYPTION_KEY_ENV)
+    if from_env:
+        return read_encryption_key(from_env, source=f"${ENCRYPTION_KEY_ENV}")
     return None

@@ -145,6 +145,13 @@ def inspect(location: str, json: bool, **remote) -> None:
     help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
 )
 @remote_options
+@click.option(
+    "--encryption-key-file",
+    type=_PATH,
+    default=None,
+    help="Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
+    "hashes are checked after decryption. Without it, all else is checked.",
+)
 def validate(
     location: str,
     json: bool,
@@ -155,6 +162,7 @@ def validate(
     pipeline_parallel_size,
     engine: bool,
     signing_key_file: Path | None,
+    encryption_key_file: Path | None,
     **remote,
 ) -> None:
     """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage.
@@ -163,11 +171,18 @@ def validate(
     tensor file is checked with ranged reads, and its content hashes as it streams."""
     import msgspec
 
+    from .progress import terminal_progress
     from .validate import check_engine_settings, validate_checkpoint
 
-    report = validate_checkpoint(
-        _location(location), verify_hashes=hashes, signing_key_file=signing_key_file, remote=_remote(**remote)
-    )
+    with terminal_progress("hashing", enabled=hashes and not json) as progress:
+        report = validate_checkpoint(
+            _location(location),
+            verify_hashes=hashes,
+            signing_key_file=signing_key_file,
+            encryption_key_file=encryption_key_file,
+            progress=progress,
+            remote=_remote(**remote),
+        )
     problems = list(report.problems)
     if report.manifest_path is not None:
         problems += check_engine_settings(
@@ -199,7 +214,8 @@ def validate(
         if not problems:
             console().print(
                 f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
-                f"{report.stored} stored, {report.hashes_checked} content hashes checked"
+                f"{report.stored} stored{', encrypted' if report.encrypted else ''}, "
+                f"{report.hashes_checked} content hashes checked"
             )
     raise SystemExit(1 if problems else 0)
 
@@ -413,6 +429,16 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
 @remote_options
+@click.option(
+    "--encryption-key-file",
+    "--encrypt-key-file",
+    "encryption_key_file",
+    type=_PATH,
+    default=None,
+    help="Encrypt the tensor data with tensorizer's encryption under this key file (else "
+    "$TENSORIZER_MANIFEST_ENCRYPTION_KEY); without --signing-key-file the manifest is sealed with it too. "
+    "Loading needs the same key (encryption_key_file in model_loader_extra_config).",
+)
 def save(
     src: str,
     out: str,
@@ -433,11 +459,13 @@ def save(
     s3_access_key_id: str | None,
     s3_secret_access_key: str | None,
     s3_endpoint: str | None,
+    encryption_key_file: Path | None,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json). OUT is a directory or s3://bucket/prefix (uploaded tensors first, manifests last)."""
     from .errors import ConfigurationError
+    from .progress import interactive
     from .save import save_checkpoint
 
     engine_args = parse_engine_args(engine_arg)
@@ -464,6 +492,8 @@ def save(
             s3_access_key_id=s3_access_key_id,
             s3_secret_access_key=s3_secret_access_key,
             s3_endpoint=s3_endpoint,
+            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+            progress=interactive(),
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -473,16 +503,22 @@ def save(
     for rank in result.ranks:
         console().print(
             f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "
-            f"{rank['raw_layers']} raw) and {Path(rank['manifest']).name}"
+            f"{rank['raw_layers']} raw{', encrypted' if rank.get('encryption', 'none') != 'none' else ''}) "
+            f"and {Path(rank['manifest']).name}"
         )
     console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    extra = (
+        ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"
+        if encryption_key_file is not None
+        else ""
+    )
     if isinstance(result.out_dir, str):
         console().print(
             f"load it with: tensorizer-manifest fetch {result.out_dir} DIR, then LLM(model=DIR, "
             f"load_format='tensorizer_manifest', model_loader_extra_config={{'checkpoint_dir': {result.out_dir!r}}})"
         )
     else:
-        console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest')")
+        console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest'{extra})")
 
 
 @app.command()
@@ -541,9 +577,10 @@ def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     from .demo import run_demo
+    from .progress import interactive
 
     try:
-        ok = run_demo(work_dir, kind, max_tokens, console())
+        ok = run_demo(work_dir, kind, max_tokens, console(), progress=interactive())
     except TensorizerManifestError as exc:
         _fail(exc)
     raise SystemExit(0 if ok else 1)

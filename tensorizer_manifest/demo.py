@@ -14,11 +14,17 @@ from .tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
 
 def generate_tokens(
-    model_dir: str | Path, load_format: str = "auto", max_tokens: int = 16, report: dict | None = None, **engine: Any
+    model_dir: str | Path,
+    load_format: str = "auto",
+    max_tokens: int = 16,
+    report: dict | None = None,
+    loader_config: dict | None = None,
+    **engine: Any,
 ):
     """Greedy token ids for the demo prompts, from a fresh engine; also the seconds it took to start.
 
-    With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it.
+    With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it;
+    ``loader_config`` is the loader's ``model_loader_extra_config``.
     """
     from vllm import LLM, SamplingParams
 
@@ -33,6 +39,7 @@ def generate_tokens(
         seed=0,
         kv_cache_memory_bytes=64 << 20,
         **({"worker_extension_cls": WORKER_EXTENSION} if report is not None else {}),
+        **({"model_loader_extra_config": loader_config} if loader_config else {}),
         **engine,
     )
     startup = time.perf_counter() - started
@@ -47,7 +54,8 @@ def generate_tokens(
     return tokens, prompt_lengths, startup
 
 
-def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
+def run_demo(work_dir: Path, kind: str, max_tokens: int, console, progress: bool = False) -> bool:
+    """The demo's story on ``console``; ``progress`` draws bars of the save's write and the load's read."""
     work_dir = Path(work_dir).resolve()
     t0 = time.perf_counter()
     model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
@@ -59,14 +67,16 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console) -> bool:
 
     out_dir = work_dir / f"tiny-{kind}-tensorized"
     t0 = time.perf_counter()
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine)
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine, progress=progress)
     console.rule(f"3. saved with a manifest to {out_dir} in {time.perf_counter() - t0:.1f}s")
 
     manifest, manifest_path = load_manifest(out_dir)
     render(manifest, str(manifest_path), console)
 
     report: dict = {}
-    tm_tokens, _, tm_start = generate_tokens(out_dir, LOAD_FORMAT, max_tokens, report=report, **engine)
+    tm_tokens, _, tm_start = generate_tokens(
+        out_dir, LOAD_FORMAT, max_tokens, report=report, loader_config={"progress": progress}, **engine
+    )
     console.rule(f"4. loaded with load_format='tensorizer_manifest': engine up in {tm_start:.1f}s")
     laps = report.get("seconds", {})
     console.print(

@@ -16,6 +16,7 @@ import torch
 from . import _vllm_compat
 from .errors import CompatibilityError, IntegrityError
 from .layers import find_kernels, has_post_load, module_tensors
+from .progress import ProgressCallback, ProgressCounter
 from .restorers import RESTORERS
 from .schema import Manifest, ModuleRecord, TensorRecord, full_name, kernel_map, qualified_class
 from .tensor_file import TensorFileReader
@@ -158,6 +159,7 @@ def restore_tensors(
     reader: TensorFileReader,
     verify_hashes: bool = True,
     on_layer: Callable[[ModuleRecord, torch.nn.Module, Callable[[str], None]], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
@@ -165,9 +167,12 @@ def restore_tensors(
     as they arrive. Once a layer's tensors are all in place, ``on_layer(record,
     module, check_hashes)`` is called (in manifest order) while reading goes
     on; ``check_hashes(path)`` waits for that layer's content hashes. Every hash
-    is checked before this returns. Returns the number of bytes read.
+    is checked before this returns. ``progress`` is called after each tensor is
+    read. Returns the number of bytes read.
     """
     hashes = HashChecker(reader.path.name) if verify_hashes else None
+    stored = [t for m in manifest.modules for t in m.tensors if t.alias_of is None and t.key is not None]
+    counter = ProgressCounter(progress, len(stored), sum(t.nbytes for t in stored))
     stream = reader.stream()
     arrived: dict[str, torch.Tensor] = {}
 
@@ -191,6 +196,7 @@ def restore_tensors(
                 data = take(t.key) if t.key is not None else None
                 if data is not None:
                     total += data.numel() * data.element_size()
+                    counter.advance(data.numel() * data.element_size())
                     if hashes is not None:
                         hashes.submit(record.path, name, data, t.hash)
                 _assign(module, t, materialize(t, data, name))

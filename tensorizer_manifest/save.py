@@ -20,8 +20,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from . import _vllm_compat
-from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, SIGNING_KEY_ENV, SPILL_DIR_ENV, WORKER_EXTENSION
-from .checkpoint import signing_key_from
+from ._constants import (
+    CAPTURE_LOAD_FORMAT,
+    CPU_GEMM_ENV,
+    ENCRYPTION_KEY_ENV,
+    SIGNING_KEY_ENV,
+    SPILL_DIR_ENV,
+    WORKER_EXTENSION,
+)
+from .checkpoint import encryption_key_from, signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from .remote import RemoteDir, RemoteOptions, describe_validation_error, is_remote, upload_checkpoint
 from .write import copy_model_files
@@ -63,6 +70,17 @@ class SaveOptions(BaseModel):
         None, repr=False, description="For an s3:// OUT (else ~/.s3cfg, AWS_SECRET_ACCESS_KEY)."
     )
     s3_endpoint: str | None = Field(None, description="For an s3:// OUT (else ~/.s3cfg, AWS_ENDPOINT_URL).")
+    encryption_key_file: str | None = Field(
+        None,
+        description=(
+            "Path of a key file (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): the tensor data is encrypted with "
+            "tensorizer's encryption under a key derived from it; without a signing key, the manifest is sealed "
+            "with a MAC keyed from it too."
+        ),
+    )
+    progress: bool = Field(
+        False, description="Draw a progress bar of the write on stderr (when stdout and stderr are terminals)."
+    )
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
@@ -159,6 +177,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
         raise ConfigurationError("the s3_* options are for an s3:// output; this output is a local directory")
     key_file = signing_key_file_path(opts.signing_key_file)
+    encryption_key_file = encryption_key_file_path(opts.encryption_key_file)
     src_dir = resolve_model_dir(str(src), opts.revision)
     out_dir = Path(out).expanduser().resolve()
     if out_dir == src_dir.resolve():
@@ -177,7 +196,9 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        ranks = llm.collective_rpc("save_tensorizer_manifest", args=(str(out_dir), False, key_file))
+        ranks = llm.collective_rpc(
+            "save_tensorizer_manifest", args=(str(out_dir), False, key_file, encryption_key_file, opts.progress)
+        )
     finally:
         shutdown(llm)
     copied = copy_model_files(src_dir, out_dir)
@@ -190,6 +211,15 @@ def signing_key_file_path(option: str | None) -> str | None:
     if path is None:
         return None
     signing_key_from(option)  # the option, else the variable: a ConfigurationError now, not in every worker
+    return str(Path(path).expanduser().resolve())
+
+
+def encryption_key_file_path(option: str | None) -> str | None:
+    """The encryption key file a save uses, checked now, as an absolute path for the workers."""
+    path = option if option is not None else os.environ.get(ENCRYPTION_KEY_ENV) or None
+    if path is None:
+        return None
+    encryption_key_from(option)
     return str(Path(path).expanduser().resolve())
 
 

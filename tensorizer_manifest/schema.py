@@ -202,6 +202,13 @@ class Fingerprint(_Struct, kw_only=True):
     """The CPU's instruction-set features that steer vLLM's CPU kernels (``AVX512``, ``AMX``...)."""
 
 
+#: tensorizer's own encryption (libsodium XSalsa20-Poly1305, authenticated per chunk) of every tensor's data,
+#: under a 32-byte key derived from the user's key file with blake3 ``derive_key`` (``EncryptionKey``).
+ENCRYPTION_TENSORIZER = "tensorizer-xsalsa20poly1305-blake3-key"
+Encryption = Literal["none", "tensorizer-xsalsa20poly1305-blake3-key"]
+assert ENCRYPTION_TENSORIZER in get_args(Encryption)
+
+
 class TensorFileRef(_Struct, kw_only=True):
     path: str
     """File name relative to the checkpoint directory."""
@@ -216,16 +223,22 @@ class TensorFileRef(_Struct, kw_only=True):
     parses when it opens the file. None in manifests written by 0.2.0 and older."""
     prefix_hash: ContentHash | None = None
     """``blake3:<hex>`` of those bytes, checked with plain reads before tensorizer sees the file."""
+    encryption: Encryption = "none"
+    """How the tensor data is encrypted (``ENCRYPTION_TENSORIZER``), or ``none``. Headers and index stay
+    plain; content hashes are of the plaintext tensors. Added after the seal: ``canonical_bytes`` leaves it
+    out while it is ``none``."""
 
 
-SealMode = Literal["digest", "mac"]
+SealMode = Literal["digest", "mac", "mac-encryption-key"]
 
 
 class Seal(_Struct, kw_only=True):
     """Binds every field of the manifest, so that no edit goes unnoticed (``seal_manifest``)."""
 
     mode: SealMode
-    """``digest``: plain blake3, catches edits and damage. ``mac``: keyed by a signing key, which is never recorded."""
+    """``digest``: plain blake3, catches edits and damage. ``mac``: keyed by a signing key, which is never recorded.
+    ``mac-encryption-key``: keyed by a key derived from the encryption key (an encrypted checkpoint saved
+    without a signing key)."""
     hash: ContentHash
 
 
@@ -258,8 +271,20 @@ def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
 
 #: blake3 ``derive_key`` context: a user's key of any length becomes the 32-byte key of the seal's MAC.
 _SEAL_KEY_CONTEXT = "tensorizer-manifest 2025 manifest seal MAC key v1"
-#: Signing keys shorter than this are refused: a short key can be guessed.
+#: The key tensorizer encrypts with, derived from an encryption key file (part of the format: never change it).
+_ENCRYPTION_KEY_CONTEXT = "tensorizer-manifest 2025 tensorizer encryption key v1"
+#: The key of a ``mac-encryption-key`` seal, derived from the same file: distinct from the one above.
+_ENCRYPTION_SEAL_CONTEXT = "tensorizer-manifest 2025 manifest seal from encryption key v1"
+#: Key files shorter than this are refused: a short key can be guessed.
 MIN_SIGNING_KEY_BYTES = 16
+
+
+def _check_key_length(material: bytes, what: str) -> None:
+    if len(material) < MIN_SIGNING_KEY_BYTES:
+        raise ConfigurationError(
+            f"the {what} has {len(material)} bytes; use at least {MIN_SIGNING_KEY_BYTES} random bytes "
+            "(e.g. `head -c 32 /dev/urandom > KEYFILE`)"
+        )
 
 
 class SigningKey:
@@ -267,13 +292,9 @@ class SigningKey:
 
     __slots__ = ("_derived",)
 
-    def __init__(self, material: bytes):
-        if len(material) < MIN_SIGNING_KEY_BYTES:
-            raise ConfigurationError(
-                f"the signing key has {len(material)} bytes; use at least {MIN_SIGNING_KEY_BYTES} random bytes "
-                "(e.g. `head -c 32 /dev/urandom > KEYFILE`)"
-            )
-        self._derived = blake3.blake3(material, derive_key_context=_SEAL_KEY_CONTEXT).digest()
+    def __init__(self, material: bytes, *, context: str = _SEAL_KEY_CONTEXT):
+        _check_key_length(material, "signing key")
+        self._derived = blake3.blake3(material, derive_key_context=context).digest()
 
     def mac(self, data: bytes) -> str:
         return "blake3:" + blake3.blake3(data, key=self._derived, max_threads=blake3.blake3.AUTO).hexdigest()
@@ -285,29 +306,79 @@ class SigningKey:
         raise TypeError("a SigningKey is never pickled; pass the key file's path instead")
 
 
+class EncryptionKey:
+    """An encryption key: two keys derived from the user's (blake3 ``derive_key``, distinct contexts), never shown.
+
+    ``tensorizer_key()`` is the 32-byte key tensorizer encrypts the tensor data
+    with; ``seal_key`` seals the manifest when no signing key is given
+    (``mac-encryption-key``), so that only the key's holders can make a seal an
+    encrypted checkpoint's loader accepts. Neither reveals the other or the file.
+    """
+
+    __slots__ = ("_key", "seal_key")
+
+    def __init__(self, material: bytes):
+        _check_key_length(material, "encryption key")
+        self._key = blake3.blake3(material, derive_key_context=_ENCRYPTION_KEY_CONTEXT).digest()
+        self.seal_key = SigningKey(material, context=_ENCRYPTION_SEAL_CONTEXT)
+
+    def tensorizer_key(self) -> bytes:
+        """The 32 bytes given to tensorizer's ``EncryptionParams`` / ``DecryptionParams.from_key``."""
+        return self._key
+
+    def __repr__(self) -> str:
+        return "EncryptionKey(<hidden>)"
+
+    def __reduce__(self):
+        raise TypeError("an EncryptionKey is never pickled; pass the key file's path instead")
+
+
 def canonical_bytes(manifest: Manifest, mode: SealMode) -> bytes:
     """What a seal covers: its mode, then the compact msgspec encoding of the manifest with the seal null.
 
     msgspec writes struct fields in declaration order, so the bytes depend on the
     values alone; the mode is inside, so a ``mac`` seal cannot pass as a ``digest``.
+    Fields added after the seal existed are left out while they hold their default
+    (``tensor_file.encryption``), so that seals made before them still match.
     """
     head = f"tensorizer-manifest seal v1 {mode}\n".encode()
-    return head + _encoder.encode(msgspec.structs.replace(manifest, seal=None))
+    replaced: dict[str, object] = {"seal": None}
+    if manifest.tensor_file.encryption == "none":
+        ref = msgspec.structs.asdict(manifest.tensor_file)
+        del ref["encryption"]
+        replaced["tensor_file"] = ref  # a dict in field order encodes as the struct did before the field
+    return head + _encoder.encode(msgspec.structs.replace(manifest, **replaced))
 
 
-def seal_hash(manifest: Manifest, mode: SealMode, key: SigningKey | None = None) -> str:
+def seal_hash(
+    manifest: Manifest, mode: SealMode, key: SigningKey | None = None, encryption_key: EncryptionKey | None = None
+) -> str:
+    """The seal's hash in ``mode``: ``mac`` needs the signing key, ``mac-encryption-key`` the encryption key."""
     data = canonical_bytes(manifest, mode)
     if mode == "mac":
         if key is None:
             raise ConfigurationError("a mac seal needs a signing key")
         return key.mac(data)
+    if mode == "mac-encryption-key":
+        if encryption_key is None:
+            raise ConfigurationError("a mac-encryption-key seal needs the encryption key")
+        return encryption_key.seal_key.mac(data)
     return "blake3:" + blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
 
 
-def seal_manifest(manifest: Manifest, key: SigningKey | None = None) -> Seal:
-    """The seal for this manifest as it is now: ``mac`` with a key, ``digest`` without."""
-    mode: SealMode = "mac" if key is not None else "digest"
-    return Seal(mode=mode, hash=seal_hash(manifest, mode, key))
+def seal_mode(key: SigningKey | None, encryption_key: EncryptionKey | None) -> SealMode:
+    """``mac`` with a signing key, else ``mac-encryption-key`` with an encryption key, else ``digest``."""
+    if key is not None:
+        return "mac"
+    return "mac-encryption-key" if encryption_key is not None else "digest"
+
+
+def seal_manifest(
+    manifest: Manifest, key: SigningKey | None = None, encryption_key: EncryptionKey | None = None
+) -> Seal:
+    """The seal for this manifest as it is now (``seal_mode`` picks the mode from the keys given)."""
+    mode = seal_mode(key, encryption_key)
+    return Seal(mode=mode, hash=seal_hash(manifest, mode, key, encryption_key))
 
 
 class _Header(msgspec.Struct, gc=False):

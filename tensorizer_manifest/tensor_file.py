@@ -6,20 +6,24 @@ Tensors go in contiguous and with their dtype untouched; the manifest
 (``tensors.py``) carries everything else about their form. A tensor file is a
 local ``Path`` or a ``remote.RemoteFile``: the reader then streams it from
 storage, and the checks before it read their bytes with ranged requests.
+With an ``EncryptionKey``, tensorizer encrypts each tensor's data (XSalsa20-Poly1305
+per chunk, authenticated); its file header, index and per-tensor headers stay
+plain, so the prefix and head hashes are taken, and checked, the same way.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import blake3
 import torch
 
-from .errors import IntegrityError, TensorizerManifestError
+from .errors import ConfigurationError, IntegrityError, TensorizerManifestError
 from .remote import RemoteFile, transfer_error
+from .schema import EncryptionKey
 
 #: Bytes read at a time when hashing the non-data parts of a tensor file.
 _CHUNK = 1 << 20
@@ -39,24 +43,66 @@ class IndexEntry(NamedTuple):
     """Where tensorizer's own per-tensor header starts."""
 
 
-def write_tensor_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write ``(key, tensor)`` pairs with tensorizer, contiguous, dtype untouched.
+def write_tensor_file(
+    path: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    encryption_key: EncryptionKey | None = None,
+    on_written: Callable[[str, int], None] | None = None,
+) -> None:
+    """Write ``(key, tensor)`` pairs with tensorizer, contiguous, dtype untouched; encrypted with ``encryption_key``.
 
     Each tensor is in the file before the next is taken from ``tensors``
     (tensorizer's ``write_tensor`` waits for its writes), so an iterator may
-    hand out views of one reused buffer.
+    hand out views of one reused buffer. ``on_written(key, nbytes)`` is called
+    after each tensor is written.
     """
-    from tensorizer import TensorSerializer, TensorType
+    from tensorizer import EncryptionParams, TensorSerializer, TensorType
 
-    serializer = TensorSerializer(str(path))
+    encryption = EncryptionParams(encryption_key.tensorizer_key()) if encryption_key is not None else None
+    serializer = TensorSerializer(str(path), encryption=encryption)
     try:
         for key, tensor in tensors:
             data = tensor.detach()
             if data.device.type != "cpu":
                 data = data.cpu()
-            serializer.write_tensor(0, key, TensorType.STATE_DICT, data.contiguous())
+            data = data.contiguous()
+            if encryption is not None and data.data_ptr() == tensor.data_ptr():
+                # tensorizer encrypts in place and decrypts back after writing: never on a tensor a model holds.
+                data = data.clone()
+            serializer.write_tensor(0, key, TensorType.STATE_DICT, data)
+            if on_written is not None:
+                on_written(key, data.numel() * data.element_size())
     finally:
         serializer.close()
+
+
+def _decryption(encryption_key: EncryptionKey | None):
+    from tensorizer import DecryptionParams
+
+    return DecryptionParams.from_key(encryption_key.tensorizer_key()) if encryption_key is not None else None
+
+
+def _crypto_error(name: str, exc: Exception) -> Exception | None:
+    """The package's error for a tensorizer cryptography failure, None for other exceptions."""
+    from tensorizer.serialization import CryptographyError
+
+    if not isinstance(exc, CryptographyError):
+        return None
+    text = str(exc)
+    if "decryption was not requested" in text:
+        return ConfigurationError(
+            f"{name}: the tensor file is encrypted; pass its key file (encryption_key_file in "
+            "model_loader_extra_config, --encryption-key-file, or $TENSORIZER_MANIFEST_ENCRYPTION_KEY)"
+        )
+    if "not flagged as encrypted" in text or "predating encryption" in text:
+        return IntegrityError(
+            f"{name}: an encryption key was given but the tensor file is not encrypted: "
+            "it is not the file the manifest describes"
+        )
+    return IntegrityError(
+        f"{name}: decryption failed: the encryption key is not the one the checkpoint was saved with, "
+        "or the data was changed after it was saved"
+    )
 
 
 def default_num_readers() -> int:
@@ -72,7 +118,13 @@ class TensorFileReader:
     allocated tensors, which become the model's tensors without another copy.
     """
 
-    def __init__(self, path: Path | RemoteFile, device: str = "cpu", num_readers: int | None = None):
+    def __init__(
+        self,
+        path: Path | RemoteFile,
+        device: str = "cpu",
+        num_readers: int | None = None,
+        encryption_key: EncryptionKey | None = None,
+    ):
         from tensorizer import TensorDeserializer
 
         self.path = path if isinstance(path, RemoteFile) else Path(path)
@@ -85,7 +137,12 @@ class TensorFileReader:
                 self.num_readers = 1  # parallel readers need range requests
         try:
             self._deserializer = TensorDeserializer(
-                source, device=device, lazy_load=True, verify_hash=False, num_readers=self.num_readers
+                source,
+                device=device,
+                lazy_load=True,
+                verify_hash=False,
+                num_readers=self.num_readers,
+                encryption=_decryption(encryption_key),
             )
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
             if not isinstance(source, str):
@@ -96,7 +153,11 @@ class TensorFileReader:
         self.keys = set(self._deserializer.keys())
 
     def _failure(self, exc: BaseException, doing: str, damaged: str) -> TensorizerManifestError:
-        """A remote transfer that failed is a ``RemoteStorageError``; anything else means a damaged file."""
+        """A decryption failure names the key; a remote transfer that failed is a ``RemoteStorageError``;
+        anything else means a damaged file."""
+        crypto = _crypto_error(self.path.name, exc) if isinstance(exc, Exception) else None
+        if crypto is not None:
+            return crypto  # type: ignore[return-value]
         if isinstance(self.path, RemoteFile):
             typed = transfer_error(exc, str(self.path), doing)
             if typed is not None:
@@ -144,26 +205,44 @@ def _torch_dtype_name(tensorizer_dtype: str) -> str:
     return str(np.dtype(tensorizer_dtype))
 
 
-def read_index(path: Path | RemoteFile) -> dict[str, IndexEntry]:
-    """tensorizer's index of a file, by tensor name. Reads no tensor data.
+#: tensorizer refuses to open an encrypted file without decryption parameters, even to read its plain index;
+#: no data is read here, so any key of the right length does (it is never used to decrypt).
+_INDEX_ONLY_KEY = bytes(32)
+
+
+def read_index(path: Path | RemoteFile, encrypted: bool = False) -> dict[str, IndexEntry]:
+    """tensorizer's index of a file, by tensor name. Reads no tensor data, so needs no key when ``encrypted``.
 
     Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
     the one place this package touches a private tensorizer name.
     """
-    from tensorizer import TensorDeserializer
+    from tensorizer import DecryptionParams, TensorDeserializer
 
-    if isinstance(path, RemoteFile):
-        stream = path.open()
-        try:
-            deserializer = TensorDeserializer(stream, device="cpu", lazy_load=True, verify_hash=False, num_readers=1)
-        except Exception as exc:
+    encryption = DecryptionParams.from_key(_INDEX_ONLY_KEY) if encrypted else None
+    name = path.name if isinstance(path, RemoteFile) else Path(path).name
+    stream = path.open() if isinstance(path, RemoteFile) else None
+    try:
+        deserializer = TensorDeserializer(
+            stream if stream is not None else str(path),
+            device="cpu",
+            lazy_load=True,
+            verify_hash=False,
+            encryption=encryption,
+            **({"num_readers": 1} if stream is not None else {}),
+        )
+    except Exception as exc:
+        if stream is not None:
             stream.close()
+        crypto = _crypto_error(name, exc)
+        if isinstance(crypto, ConfigurationError):  # the file is encrypted, and its manifest says it is not
+            raise IntegrityError(f"{name}: the tensor file is encrypted, its manifest says it is not") from None
+        if crypto is not None:
+            raise crypto from None
+        if stream is not None:
             typed = transfer_error(exc, str(path), "reading its index")
             if typed is not None:
                 raise typed from None
-            raise
-    else:
-        deserializer = TensorDeserializer(str(path), device="cpu", lazy_load=True, verify_hash=False)
+        raise
     try:
         index = {}
         for key, entry in deserializer._metadata.items():

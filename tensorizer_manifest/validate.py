@@ -7,7 +7,8 @@ valid, the digest over all records equal to the one bound to the tensor file,
 the file's exact size, the hash of its prefix (read plainly, before tensorizer
 parses a byte of it), the hash of its head, and tensorizer's own index (every
 record present once, the same dtype, shape and byte length, data inside the
-file and not overlapping). Content hashes are checked last, one tensor at a time.
+file and not overlapping). Content hashes are checked last, one tensor at a time
+(of the plaintext: an encrypted file's are checked with its key, and only then).
 
 ``validate_checkpoint`` collects every problem into a frozen report (as
 huggingface_hub's cache verification does); the loader calls
@@ -23,8 +24,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._constants import SIGNING_KEY_ENV
-from .checkpoint import FileLocation, file_size, load_manifest, read_manifest, resolve_tensor_file, signing_key_from
+from ._constants import ENCRYPTION_KEY_ENV, SIGNING_KEY_ENV
+from .checkpoint import (
+    FileLocation,
+    encryption_key_from,
+    file_size,
+    load_manifest,
+    read_manifest,
+    resolve_tensor_file,
+    signing_key_from,
+)
 from .errors import (
     CompatibilityError,
     ConfigurationError,
@@ -34,12 +43,14 @@ from .errors import (
     TensorizerManifestError,
 )
 from .fingerprint import settings_differences
+from .progress import ProgressCallback, ProgressCounter
 from .remote import RemoteFile, RemoteOptions
 from .restorers import known_replays
 from .schema import (
     ALLOWED_PARAM_MODULES,
     DTYPE_ITEMSIZE,
     REPLAY_POST_LOAD,
+    EncryptionKey,
     Manifest,
     SigningKey,
     TensorRecord,
@@ -81,6 +92,8 @@ class ValidationReport:
     problems: tuple[Problem, ...] = field(default_factory=tuple)
     warnings: tuple[str, ...] = field(default_factory=tuple)
     """What is not wrong but weaker than it should be (an unsealed manifest); ``ok`` ignores them."""
+    encrypted: bool = False
+    """The tensor file is encrypted (its content hashes are checked only with its key)."""
 
     @property
     def ok(self) -> bool:
@@ -101,6 +114,7 @@ class ValidationReport:
             "records": self.records,
             "stored": self.stored,
             "hashes_checked": self.hashes_checked,
+            "encrypted": self.encrypted,
             "problems": [p.to_dict() for p in self.problems],
             "warnings": list(self.warnings),
         }
@@ -147,13 +161,66 @@ _PASS_THE_KEY = (
 )
 
 
-def check_seal(manifest: Manifest, signing_key: SigningKey | None) -> tuple[type[TensorizerManifestError], str] | None:
+_PASS_THE_ENCRYPTION_KEY = (
+    "pass its key file (encryption_key_file in model_loader_extra_config, --encryption-key-file, "
+    f"or ${ENCRYPTION_KEY_ENV})"
+)
+
+
+def check_encryption(
+    manifest: Manifest, encryption_key: EncryptionKey | None
+) -> tuple[type[TensorizerManifestError], str] | None:
+    """Whether the keys given suit the checkpoint's encryption, as (error, message); None when they do.
+
+    An encrypted checkpoint needs its key (``ConfigurationError``). Given a key,
+    only an encrypted checkpoint passes: anyone who can write the files could
+    otherwise replace an encrypted checkpoint with a plain one of their own.
+    """
+    encrypted = manifest.tensor_file.encryption != "none"
+    if encrypted and encryption_key is None:
+        return ConfigurationError, f"the checkpoint's tensor file is encrypted; {_PASS_THE_ENCRYPTION_KEY}"
+    if not encrypted and encryption_key is not None:
+        return IntegrityError, (
+            "an encryption key was given but the checkpoint is not encrypted (it was saved without the key, or "
+            "replaced by a plain one): re-save it with the key, or load it without one"
+        )
+    return None
+
+
+def check_seal(
+    manifest: Manifest, signing_key: SigningKey | None, encryption_key: EncryptionKey | None = None
+) -> tuple[type[TensorizerManifestError], str] | None:
     """Whether the seal binds this manifest, as (error, message); None when it does, or when there is none and no key.
 
-    With a key, only a ``mac`` seal made with that key passes: a ``digest`` can
-    be recomputed by anyone who edits the manifest, and a seal can be removed.
+    With a signing key, only a ``mac`` seal made with that key passes: a
+    ``digest`` can be recomputed by anyone who edits the manifest, and a seal can
+    be removed. An encrypted checkpoint's manifest is always sealed with a MAC:
+    ``mac``, or without a signing key ``mac-encryption-key``, checked with the
+    encryption key.
     """
     seal = manifest.seal
+    encrypted = manifest.tensor_file.encryption != "none"
+    if encrypted and (seal is None or seal.mode == "digest"):
+        return IntegrityError, (
+            "the manifest was modified after it was saved, or forged: it says its tensor file is encrypted but is "
+            "not sealed with a key, as every encrypted checkpoint's manifest is; re-save the checkpoint"
+        )
+    if seal is not None and seal.mode == "mac-encryption-key":
+        if signing_key is not None:
+            return IntegrityError, (
+                "a signing key was given but the manifest is sealed with its encryption key (saved without the "
+                "signing key): re-save it with the signing key, or load it without one"
+            )
+        if encryption_key is None:
+            return ConfigurationError, (
+                f"the manifest is sealed with its encryption key (mac-encryption-key); {_PASS_THE_ENCRYPTION_KEY}"
+            )
+        if seal_hash(manifest, seal.mode, encryption_key=encryption_key) != seal.hash:
+            return IntegrityError, (
+                "the manifest was modified after it was saved, or the encryption key is not the one it was saved "
+                "with (its seal does not match): use the right key, or re-save the checkpoint"
+            )
+        return None
     if seal is None:
         if signing_key is None:
             return None  # an old manifest: a warning (unsealed_warning), not an error
@@ -190,17 +257,27 @@ def unsealed_warning(manifest: Manifest) -> str | None:
     )
 
 
+def seal_needs_encryption_key(manifest: Manifest, encryption_key: EncryptionKey | None) -> bool:
+    """The seal is keyed from the encryption key, and none was given: it cannot be checked."""
+    return encryption_key is None and manifest.seal is not None and manifest.seal.mode == "mac-encryption-key"
+
+
 def check_manifest(
-    manifest: Manifest, manifest_path: FileLocation, signing_key: SigningKey | None = None
+    manifest: Manifest,
+    manifest_path: FileLocation,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+    check_the_seal: bool = True,
 ) -> tuple[list[Problem], dict[str, TensorRecord]]:
-    """The seal, then record-level checks; returns problems and the stored records by file key."""
+    """The seal (unless ``check_the_seal`` is false), then record-level checks; returns problems and the stored
+    records by file key."""
     problems: list[Problem] = []
     where = str(manifest_path)
 
     def problem(kind: type[TensorizerManifestError], message: str) -> None:
         problems.append(Problem(kind, where, message))
 
-    sealed = check_seal(manifest, signing_key)
+    sealed = check_seal(manifest, signing_key, encryption_key) if check_the_seal else None
     if sealed is not None:
         problem(*sealed)
 
@@ -289,7 +366,7 @@ def _check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: di
     if prefix is not None:
         return [prefix]  # tensorizer never sees a file whose header and index are not the saved ones
     try:
-        index = read_index(tensor_path)
+        index = read_index(tensor_path, encrypted=manifest.tensor_file.encryption != "none")
     except RemoteStorageError:
         raise
     except Exception as exc:  # tensorizer raises many kinds on a damaged file
@@ -376,9 +453,20 @@ def _check_prefix(manifest: Manifest, tensor_path: FileLocation, size: int) -> P
     return None
 
 
-def check_files(manifest: Manifest, manifest_path: FileLocation, signing_key: SigningKey | None = None) -> FileLocation:
-    """Everything but content hashes; raises on the first kind of problem. Used by the loader."""
-    problems, by_key = check_manifest(manifest, manifest_path, signing_key)
+def check_files(
+    manifest: Manifest,
+    manifest_path: FileLocation,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+) -> FileLocation:
+    """Everything but content hashes; raises on the first kind of problem. Used by the loader.
+
+    The seal comes first: with the encryption key, a wrong key is refused here, before any weight is read.
+    """
+    problems, by_key = check_manifest(manifest, manifest_path, signing_key, encryption_key)
+    keys = check_encryption(manifest, encryption_key)
+    if keys is not None:
+        problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
     tensor_path = resolve_tensor_file(manifest, manifest_path)
     problems = check_tensor_file(manifest, tensor_path, by_key)
@@ -391,6 +479,8 @@ def validate_checkpoint(
     *,
     verify_hashes: bool = True,
     signing_key_file: str | os.PathLike | None = None,
+    encryption_key_file: str | os.PathLike | None = None,
+    progress: ProgressCallback | None = None,
     remote: RemoteOptions | None = None,
 ) -> ValidationReport:
     """Every check, every problem: for ``tensorizer-manifest validate``. Never raises for bad input.
@@ -399,37 +489,71 @@ def validate_checkpoint(
     ``https://host/path``; ``remote`` holds credentials and endpoint).
     ``signing_key_file`` (else ``$TENSORIZER_MANIFEST_SIGNING_KEY``) names the key
     of a ``mac`` seal; with a key, only a seal made with it passes.
+    ``encryption_key_file`` (else ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY``) names
+    an encrypted checkpoint's key: without it, everything but the content hashes
+    (and a seal keyed from it) is checked, and the report's warnings say so.
+    ``progress`` is called after each tensor whose hash is checked.
     """
     try:
         signing_key = signing_key_from(signing_key_file)
+        encryption_key = encryption_key_from(encryption_key_file)
         manifest, manifest_path = load_manifest(path, remote=remote)
     except TensorizerManifestError as exc:
         return ValidationReport(None, None, problems=(Problem(type(exc), str(path), str(exc)),))
-    problems, by_key = check_manifest(manifest, manifest_path, signing_key)
-    warning = unsealed_warning(manifest) if signing_key is None else None
-    warnings = (f"{manifest_path}: {warning}",) if warning else ()
+    encrypted = manifest.tensor_file.encryption != "none"
+    unchecked_seal = seal_needs_encryption_key(manifest, encryption_key)
+    problems, by_key = check_manifest(
+        manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
+    )
+    keys = check_encryption(manifest, encryption_key)
+    if keys is not None and keys[0] is not ConfigurationError:  # a missing key is a warning here
+        problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
+    warning = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
+    warnings = [f"{manifest_path}: {warning}"] if warning else []
+    if unchecked_seal:
+        warnings.append(
+            f"{manifest_path}: the seal was not checked: it is keyed from the encryption key; "
+            "pass --encryption-key-file to check it"
+        )
     records = len(manifest.ordered_records())
     try:
         tensor_path = resolve_tensor_file(manifest, manifest_path)
     except TensorizerManifestError as exc:
         problems.append(Problem(type(exc), str(manifest_path), str(exc)))
-        return ValidationReport(manifest_path, None, records, len(by_key), 0, tuple(problems), warnings)
+        return ValidationReport(
+            manifest_path, None, records, len(by_key), 0, tuple(problems), tuple(warnings), encrypted
+        )
     problems += check_tensor_file(manifest, tensor_path, by_key)
     checked = 0
-    if verify_hashes and not problems:
-        problems, checked = _check_hashes(tensor_path, by_key)
-    return ValidationReport(manifest_path, tensor_path, records, len(by_key), checked, tuple(problems), warnings)
+    if verify_hashes and encrypted and encryption_key is None:
+        warnings.append(
+            f"{tensor_path}: content hashes were not checked: the tensor file is encrypted; "
+            "pass --encryption-key-file to check them"
+        )
+    elif verify_hashes and not problems:
+        problems, checked = _check_hashes(tensor_path, by_key, encryption_key, progress)
+    return ValidationReport(
+        manifest_path, tensor_path, records, len(by_key), checked, tuple(problems), tuple(warnings), encrypted
+    )
 
 
-def _check_hashes(tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> tuple[list[Problem], int]:
-    """Read every stored tensor (tensorizer's parallel readers, in file order) and check its content hash."""
+def _check_hashes(
+    tensor_path: FileLocation,
+    by_key: dict[str, TensorRecord],
+    encryption_key: EncryptionKey | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[list[Problem], int]:
+    """Read every stored tensor (tensorizer's parallel readers, in file order; decrypted with ``encryption_key``)
+    and check its content hash."""
     where = str(tensor_path)
     problems: list[Problem] = []
     checked = 0
+    counter = ProgressCounter(progress, len(by_key), sum(r.nbytes for r in by_key.values()))
     try:
-        with TensorFileReader(tensor_path) as reader:
+        with TensorFileReader(tensor_path, encryption_key=encryption_key) as reader:
             for key, tensor in reader.stream():
                 checked += 1
+                counter.advance(by_key[key].nbytes)
                 if hash_tensor(tensor) != by_key[key].hash:
                     problems.append(
                         Problem(

@@ -25,10 +25,11 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from .capture import Capture, CapturePolicy, Recorder
-from .checkpoint import checkpoint_stem, load_manifest, signing_key_from
+from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, signing_key_from
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
+from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS, RemoteOptions, describe_validation_error
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
@@ -88,6 +89,15 @@ class LoadOptions(BaseModel):
     s3_endpoint: str | None = Field(
         None, description="S3 endpoint URL (else host_base in ~/.s3cfg, else AWS_ENDPOINT_URL)."
     )
+    encryption_key_file: str | None = Field(
+        None,
+        description="Path of the key an encrypted checkpoint was saved with "
+        "(else $TENSORIZER_MANIFEST_ENCRYPTION_KEY); "
+        "with a key, only an encrypted checkpoint whose seal the key (or the signing key) checks loads.",
+    )
+    progress: bool = Field(
+        False, description="Draw a progress bar of the read on stderr (rank 0, when stdout and stderr are terminals)."
+    )
 
     @classmethod
     def from_load_config(cls, load_config: Any) -> LoadOptions:
@@ -130,6 +140,11 @@ class CaptureOptions(BaseModel):
             ) from None
 
 
+def _first_rank() -> bool:
+    """Rank 0 of every parallel group: the one that draws progress bars."""
+    return _vllm_compat.parallel_ranks() == (0, 0)
+
+
 def rank_stem(vllm_config: Any) -> str:
     """This process's checkpoint stem (``model``, ``model-tp1-of-2``...)."""
     parallel = vllm_config.parallel_config
@@ -167,9 +182,10 @@ class ManifestModelLoader(BaseModelLoader):
         options = LoadOptions.from_load_config(self.load_config)
         checkpoint = options.checkpoint_dir or model_config.model
         signing_key = signing_key_from(options.signing_key_file)
+        encryption_key = encryption_key_from(options.encryption_key_file)
         manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config), remote=options.remote())
-        tensor_path = check_files(manifest, manifest_path, signing_key)
-        unsealed = unsealed_warning(manifest) if signing_key is None else None
+        tensor_path = check_files(manifest, manifest_path, signing_key, encryption_key)
+        unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
         if unsealed:
             logger.warning("%s: %s", manifest_path, unsealed)
         check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
@@ -185,9 +201,22 @@ class ManifestModelLoader(BaseModelLoader):
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
             replayer = replay.Replayer(model, manifest, model_config, target_device)
-            with TensorFileReader(tensor_path, device=str(target_device), num_readers=options.num_readers) as reader:
+            with (
+                TensorFileReader(
+                    tensor_path,
+                    device=str(target_device),
+                    num_readers=options.num_readers,
+                    encryption_key=encryption_key,
+                ) as reader,
+                terminal_progress("loading", enabled=options.progress and _first_rank()) as progress,
+            ):
                 nbytes = restore_tensors(
-                    model, manifest, reader, verify_hashes=options.verify_hashes, on_layer=replayer.layer_ready
+                    model,
+                    manifest,
+                    reader,
+                    verify_hashes=options.verify_hashes,
+                    on_layer=replayer.layer_ready,
+                    progress=progress,
                 )
                 num_readers = reader.num_readers
             overlapped = replayer.step_seconds
@@ -198,6 +227,7 @@ class ManifestModelLoader(BaseModelLoader):
             **report.to_dict(),
             "bytes_read": nbytes,
             "verify_hashes": options.verify_hashes,
+            "encrypted": encryption_key is not None,
             "num_readers": num_readers,
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
@@ -282,7 +312,12 @@ class ManifestWorkerExtension:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def save_tensorizer_manifest(
-        self, output_dir: str, keep_capture: bool = False, signing_key_file: str | None = None
+        self,
+        output_dir: str,
+        keep_capture: bool = False,
+        signing_key_file: str | None = None,
+        encryption_key_file: str | None = None,
+        progress: bool = False,
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
@@ -292,8 +327,12 @@ class ManifestWorkerExtension:
         ``keep_capture`` asks to save again later.
         The manifest is sealed with the key in ``signing_key_file`` (else
         ``$TENSORIZER_MANIFEST_SIGNING_KEY``; a path travels to the workers, never the key).
+        The tensor data is encrypted with the key in ``encryption_key_file`` (else
+        ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY``). ``progress`` draws a bar of the
+        write on stderr (rank 0, on a terminal).
         """
         signing_key = signing_key_from(signing_key_file)
+        encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
         if capture is None:
@@ -302,7 +341,16 @@ class ManifestWorkerExtension:
                 "vLLM's post-load step was not observed; start it with that load format to save"
             )
         try:
-            manifest = write_checkpoint(capture, Path(output_dir), capture.stem, signing_key, release=not keep_capture)
+            with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
+                manifest = write_checkpoint(
+                    capture,
+                    Path(output_dir),
+                    capture.stem,
+                    signing_key,
+                    release=not keep_capture,
+                    encryption_key=encryption_key,
+                    progress=on_progress,
+                )
         finally:
             if not keep_capture:
                 delattr(model, _CAPTURE_ATTR)
@@ -314,6 +362,7 @@ class ManifestWorkerExtension:
             "layers": len(manifest.modules),
             "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
             "seal": manifest.seal.mode if manifest.seal is not None else None,
+            "encryption": manifest.tensor_file.encryption,
         }
 
     def tensorizer_manifest_report(self) -> dict | None:

@@ -16,11 +16,14 @@ import torch
 from ._constants import PRODUCER
 from .capture import Capture
 from .layers import TensorSlot
+from .progress import ProgressCallback, ProgressCounter
 from .remote import is_model_file
 from .schema import (
+    ENCRYPTION_TENSORIZER,
     FORMAT_VERSION,
     MANIFEST_SUFFIX,
     TENSORS_SUFFIX,
+    EncryptionKey,
     Manifest,
     ModuleRecord,
     SigningKey,
@@ -102,12 +105,22 @@ def stored_tensors(to_store: list[tuple[str, TensorSlot]]) -> Iterator[tuple[str
 
 
 def write_checkpoint(
-    capture: Capture, out_dir: Path, stem: str, signing_key: SigningKey | None = None, release: bool = False
+    capture: Capture,
+    out_dir: Path,
+    stem: str,
+    signing_key: SigningKey | None = None,
+    release: bool = False,
+    encryption_key: EncryptionKey | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
 
-    The manifest is sealed last, over every field: keyed (``mac``) with
-    ``signing_key``, a plain ``digest`` without.
+    With ``encryption_key`` the tensor data is encrypted (tensorizer's own
+    encryption; the manifest records it, and its content hashes stay those of
+    the plaintext). The manifest is sealed last, over every field: keyed
+    (``mac``) with ``signing_key``, else keyed from ``encryption_key``
+    (``mac-encryption-key``), else a plain ``digest``. ``progress`` is called
+    after each tensor is written.
 
     Crash safety: the tensor file gets a new name derived from its content, so a
     checkpoint already at ``out_dir`` is never touched until the new manifest
@@ -125,19 +138,29 @@ def write_checkpoint(
     manifest, to_store = build_manifest(capture, "")
     tensor_name = f"{stem}.{manifest.tensor_file.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
     manifest.tensor_file.path = tensor_name
+    if encryption_key is not None:
+        manifest.tensor_file.encryption = ENCRYPTION_TENSORIZER
+    counter = ProgressCounter(progress, len(to_store), sum(_nbytes(slot) for _, slot in to_store))
     manifest_name = stem + MANIFEST_SUFFIX
     tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
     tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
     try:
-        write_tensor_file(tmp_tensors, stored_tensors(to_store))
+        write_tensor_file(
+            tmp_tensors, stored_tensors(to_store), encryption_key, on_written=lambda _, n: counter.advance(n)
+        )
         if release:
             capture.close()
         manifest.tensor_file.size = tmp_tensors.stat().st_size
-        index = read_index(tmp_tensors)
+        index = read_index(tmp_tensors, encrypted=encryption_key is not None)
         manifest.tensor_file.head_hash = head_hash(tmp_tensors, index)
         manifest.tensor_file.prefix_size = prefix_size(index, manifest.tensor_file.size)
         manifest.tensor_file.prefix_hash = prefix_hash(tmp_tensors, manifest.tensor_file.prefix_size)
-        manifest.seal = seal_manifest(manifest, signing_key)
+        if encryption_key is not None:
+            # Fresh nonces make every encrypted write differ: its name takes the head hash too (nonces and MACs),
+            # so that a re-save never replaces the file an older manifest names.
+            head = manifest.tensor_file.head_hash.removeprefix("blake3:")[:16]
+            tensor_name = manifest.tensor_file.path = tensor_name.replace(TENSORS_SUFFIX, f"-{head}{TENSORS_SUFFIX}")
+        manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
         _fsync(tmp_tensors)
         os.replace(tmp_tensors, out_dir / tensor_name)
         tmp_manifest.write_bytes(encode_manifest(manifest))
@@ -151,6 +174,11 @@ def write_checkpoint(
         if stale.name != tensor_name:
             stale.unlink(missing_ok=True)
     return manifest
+
+
+def _nbytes(slot: TensorSlot) -> int:
+    """Bytes a slot's tensor stores (a pre-step copy's stand-in on the meta device has the shape and dtype)."""
+    return slot.tensor.numel() * slot.tensor.element_size()
 
 
 def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:

@@ -116,3 +116,23 @@ def test_a_rank_layout_other_than_the_saved_one_is_named_before_anything_is_read
     assert "saved with tensor_parallel_size=1, pipeline_parallel_size=2" in message
     assert "this engine runs tensor_parallel_size=2, pipeline_parallel_size=1" in message
     assert info.value.differences == [("parallel_layout", (1, 2), (2, 1))]
+
+
+def test_the_encryption_key_comes_from_the_option_else_the_environment(tmp_path, monkeypatch):
+    from tensorizer_manifest.errors import ConfigurationError
+
+    key = tmp_path / "key"
+    key.write_bytes(b"e" * 32)
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    assert checkpoint.encryption_key_from(None) is None
+    assert checkpoint.encryption_key_from(key) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(key))
+    assert checkpoint.encryption_key_from(None) is not None
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", "e" * 64)  # the key itself, not its path
+    with pytest.raises(ConfigurationError, match=r"\$TENSORIZER_MANIFEST_ENCRYPTION_KEY.*not the key itself") as info:
+        checkpoint.encryption_key_from(None)
+    assert "e" * 64 not in str(info.value)
+    short = tmp_path / "short"
+    short.write_bytes(b"e" * 15)
+    with pytest.raises(ConfigurationError, match="encryption key has 15 bytes"):
+        checkpoint.encryption_key_from(short)

@@ -175,3 +175,27 @@ def test_a_processed_layer_in_a_layout_this_machine_would_not_produce_is_refused
     assert "model.layers.0.mlp.down_proj" in message and "{'isa': 'amx'}" in message and "{'isa': 'vec'}" in message
     assert "--portable" in message
     assert info.value.differences == [("model.layers.0.mlp.down_proj.form", {"isa": "amx"}, {"isa": "vec"})]
+
+
+def test_an_encrypted_checkpoint_restores_with_its_key_and_is_refused_without_it_before_reading(tmp_path):
+    from tensorizer_manifest.errors import ConfigurationError
+    from tensorizer_manifest.progress import ProgressUpdate
+    from tensorizer_manifest.schema import EncryptionKey
+    from tensorizer_manifest.write import write_checkpoint
+
+    key = EncryptionKey(b"e" * 32)
+    write_checkpoint(make_capture(), tmp_path / "ckpt", "model", encryption_key=key)
+    manifest, path = load_manifest(tmp_path / "ckpt")
+    with pytest.raises(ConfigurationError, match="encryption_key_file in model_loader_extra_config"):
+        check_files(manifest, path)
+    with pytest.raises(IntegrityError, match="encryption key is not the one"):  # the seal is keyed from it
+        check_files(manifest, path, encryption_key=EncryptionKey(b"f" * 32))
+    model = _fresh_model()
+    updates: list[ProgressUpdate] = []
+    with TensorFileReader(check_files(manifest, path, encryption_key=key), encryption_key=key) as reader:
+        nbytes = restore_tensors(model, manifest, reader, progress=updates.append)
+    assert updates[-1].nbytes == updates[-1].total_bytes == nbytes
+    assert updates[-1].tensors == updates[-1].total_tensors == manifest.tensor_file.tensor_count
+    for layer in make_capture().layers:
+        for name, slot in layer.tensors.items():
+            assert torch.equal(getattr(model.get_submodule(layer.path), name), slot.tensor)

@@ -91,3 +91,21 @@ def test_save_options_never_show_a_credential():
     with pytest.raises(ConfigurationError) as exc:
         SaveOptions.parse({"s3_secret_acess_key": "s3cr3t-value-xyz"})  # misspelled
     assert "s3_secret_acess_key" in str(exc.value) and "s3cr3t-value-xyz" not in str(exc.value)
+
+
+def test_an_encryption_key_file_is_checked_before_an_engine_starts(tmp_path, monkeypatch):
+    from tensorizer_manifest.save import encryption_key_file_path
+
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    assert encryption_key_file_path(None) is None
+    key = tmp_path / "key"
+    key.write_bytes(b"e" * 32)
+    assert encryption_key_file_path(str(key)) == str(key.resolve())
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(key))
+    assert encryption_key_file_path(None) == str(key.resolve())  # the workers get a path, never the key
+    short = tmp_path / "short"
+    short.write_bytes(b"e" * 8)
+    with pytest.raises(ConfigurationError, match="encryption key has 8 bytes"):
+        encryption_key_file_path(str(short))
+    options = SaveOptions.parse({"encryption_key_file": str(key), "progress": True})
+    assert options.encryption_key_file == str(key) and options.progress

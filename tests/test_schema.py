@@ -171,3 +171,60 @@ def test_a_signing_key_is_never_shown_or_pickled_and_not_too_short():
         schema.SigningKey(b"short")
     long = schema.SigningKey(b"x" * 100_000)  # any length works: the MAC key is derived from it
     assert long.mac(b"data").startswith("blake3:")
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+#: The signing key of the checked-in mac fixture (a test key, published on purpose).
+FIXTURE_SIGNING_KEY = b"tensorizer-manifest test key 0.2"
+
+
+@pytest.mark.parametrize("mode", ["digest", "mac"])
+def test_seals_made_by_0_2_0_still_match(mode):
+    """Written by tensorizer-manifest 0.2.0, before ``tensor_file.encryption`` existed. Never regenerate them:
+    a field added after the seal is left out of its bytes while it holds its default."""
+    manifest = schema.decode_manifest((FIXTURES / f"sealed-0.2.0-{mode}.manifest.json").read_bytes())
+    assert manifest.producer == "tensorizer-manifest 0.2.0" and manifest.tensor_file.encryption == "none"
+    key = schema.SigningKey(FIXTURE_SIGNING_KEY) if mode == "mac" else None
+    assert schema.seal_hash(manifest, mode, key) == manifest.seal.hash
+    assert b'"encryption"' not in schema.canonical_bytes(manifest, mode)
+
+
+def test_encryption_is_sealed_once_set_and_its_seal_is_keyed_from_the_encryption_key():
+    manifest = _tiny_manifest()
+    plain = schema.canonical_bytes(manifest, "digest")
+    manifest.tensor_file.encryption = schema.ENCRYPTION_TENSORIZER
+    assert schema.canonical_bytes(manifest, "digest") != plain
+    assert f'"encryption":"{schema.ENCRYPTION_TENSORIZER}"'.encode() in schema.canonical_bytes(manifest, "digest")
+    key = schema.EncryptionKey(b"e" * 32)
+    seal = schema.seal_manifest(manifest, encryption_key=key)
+    assert seal.mode == "mac-encryption-key"
+    assert seal.hash == schema.seal_hash(manifest, "mac-encryption-key", encryption_key=key)
+    assert seal.hash != schema.seal_hash(manifest, "mac-encryption-key", encryption_key=schema.EncryptionKey(b"f" * 32))
+    # the same bytes as a signing key make another seal: the contexts differ
+    assert seal.hash != schema.SigningKey(b"e" * 32).mac(schema.canonical_bytes(manifest, "mac-encryption-key"))
+    assert schema.seal_manifest(manifest, schema.SigningKey(b"s" * 32), key).mode == "mac"  # a signing key wins
+    from tensorizer_manifest.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="needs the encryption key"):
+        schema.seal_hash(manifest, "mac-encryption-key")
+
+
+def test_an_encryption_key_is_never_shown_or_pickled_and_its_derived_keys_differ():
+    import pickle
+
+    import blake3
+
+    from tensorizer_manifest.errors import ConfigurationError
+
+    material = b"secret-secret-secret-secret-1234"
+    key = schema.EncryptionKey(material)
+    assert "secret" not in repr(key) and "secret" not in str(key)
+    with pytest.raises(TypeError):
+        pickle.dumps(key)
+    with pytest.raises(ConfigurationError, match="encryption key has 5 bytes"):
+        schema.EncryptionKey(b"short")
+    tensorizer_key = key.tensorizer_key()
+    assert len(tensorizer_key) == 32 and tensorizer_key != material
+    # documented, so that tensorizer alone can decrypt: blake3 derive_key with this context
+    context = "tensorizer-manifest 2025 tensorizer encryption key v1"
+    assert tensorizer_key == blake3.blake3(material, derive_key_context=context).digest()

@@ -158,3 +158,64 @@ def test_a_remote_reader_cut_off_mid_file_raises_a_remote_error(tmp_path):
             with TensorFileReader(RemoteFile(f"{server.url}/{path.name}"), num_readers=1) as reader:
                 for _ in reader.stream():
                     pass
+
+
+# --- tensorizer's encryption ----------------------------------------------------------------------
+
+
+def _key(fill: bytes = b"k"):
+    from tensorizer_manifest.schema import EncryptionKey
+
+    return EncryptionKey(fill * 32)
+
+
+def test_an_encrypted_file_holds_no_plaintext_bytes_and_reads_back_with_its_key(tmp_path):
+    from tensorizer_manifest.errors import ConfigurationError
+
+    row = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # an embedding
+    tensors = {**TENSORS, "embed": row}
+    before = row.clone()
+    plain, secret = tmp_path / "plain.tensors", tmp_path / "secret.tensors"
+    write_tensor_file(plain, tensors.items())
+    written: list[tuple[str, int]] = []
+    write_tensor_file(secret, tensors.items(), _key(), on_written=lambda k, n: written.append((k, n)))
+    assert written == [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
+    assert torch.equal(row, before)  # tensorizer encrypts in place: never the caller's tensor
+    run = row[7].view(torch.uint8).numpy().tobytes()[:64]  # 64 bytes of one embedding row
+    assert run in plain.read_bytes()  # the control
+    assert run not in secret.read_bytes()
+    with TensorFileReader(secret, encryption_key=_key()) as reader:
+        got = dict(reader.stream())
+    assert set(got) == set(tensors) and all(torch.equal(got[k], t) for k, t in tensors.items())
+    with pytest.raises(ConfigurationError, match="encrypted; pass its key file"):
+        TensorFileReader(secret)
+    with pytest.raises(IntegrityError, match="decryption failed: the encryption key is not the one"):
+        with TensorFileReader(secret, encryption_key=_key(b"j")) as reader:
+            list(reader.stream())
+    with pytest.raises(IntegrityError, match="not encrypted"):
+        TensorFileReader(plain, encryption_key=_key())
+
+
+def test_headers_and_index_of_an_encrypted_file_stay_plain_so_prefix_and_head_hash_work(tmp_path):
+    """tensorizer encrypts tensor data only: the index is read without the key, and the prefix and head
+    hash cover the same parts (the head hash also covers the nonces and MACs in the tensor headers)."""
+    secret = tmp_path / "secret.tensors"
+    write_tensor_file(secret, TENSORS.items(), _key())
+    with pytest.raises(IntegrityError, match="encrypted, its manifest says it is not"):
+        read_index(secret)
+    index = read_index(secret, encrypted=True)
+    assert {k: (e.dtype, e.shape) for k, e in index.items()} == {
+        k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in TENSORS.items()
+    }
+    size = secret.stat().st_size
+    assert 0 < prefix_size(index, size) < min(e.data_offset for e in index.values())
+    head = head_hash(secret, index)
+    assert prefix_hash(secret, prefix_size(index, size)).startswith("blake3:")
+    data = bytearray(secret.read_bytes())
+    entry = index["a"]
+    data[entry.data_offset] ^= 1  # a ciphertext byte: not in the head hash, caught by tensorizer's MAC
+    secret.write_bytes(bytes(data))
+    assert head_hash(secret, index) == head
+    with pytest.raises(IntegrityError, match="decryption failed"):
+        with TensorFileReader(secret, encryption_key=_key()) as reader:
+            list(reader.stream())

@@ -136,7 +136,7 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
 SEAL_GIST = "modified after it was saved"
 #: Other values of the Literal fields, so that an edit of one still decodes.
 _LITERALS = [("raw", "processed"), ("parameter", "buffer"), ("bfloat16", "float16"), ("float32", "int32"),
-             ("int8", "uint8")]  # fmt: skip
+             ("int8", "uint8"), ("none", "tensorizer-xsalsa20poly1305-blake3-key")]  # fmt: skip
 
 
 def _rich_checkpoint(pristine, directory):
@@ -462,3 +462,109 @@ def test_a_remote_checkpoint_validates_with_its_hashes_and_each_failure_is_typed
     [problem] = report.problems
     assert problem.kind is errors.RemoteStorageError and "cut short" in problem.message
     assert not report.ok
+
+
+# --- encrypted checkpoints --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def encrypted(tmp_path, key_files):
+    """An encrypted checkpoint (sealed from its key), and one sealed with a signing key as well."""
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.checkpoint import read_encryption_key, read_signing_key
+    from tensorizer_manifest.write import write_checkpoint
+
+    key = read_encryption_key(key_files[0])
+    write_checkpoint(make_capture(), tmp_path / "enc", "model", encryption_key=key)
+    write_checkpoint(make_capture(), tmp_path / "both", "model", read_signing_key(key_files[0]), encryption_key=key)
+    return tmp_path / "enc", tmp_path / "both"
+
+
+def test_an_encrypted_checkpoint_validates_fully_with_its_key_and_all_but_hashes_without(
+    encrypted, key_files, monkeypatch
+):
+    from tensorizer_manifest.progress import ProgressUpdate
+
+    good, other, _ = key_files
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    directory = encrypted[0]
+    updates: list[ProgressUpdate] = []
+    report = validate_checkpoint(directory, encryption_key_file=good, progress=updates.append)
+    assert report.ok and report.encrypted and not report.warnings, report.problems
+    assert report.hashes_checked == report.stored > 0  # of the plaintext, after decryption
+    assert len(updates) == report.stored and updates[-1].nbytes == updates[-1].total_bytes
+    without = validate_checkpoint(directory)
+    assert without.ok and without.encrypted and without.hashes_checked == 0, without.problems
+    assert any("content hashes were not checked: the tensor file is encrypted" in w for w in without.warnings)
+    assert any("seal was not checked" in w for w in without.warnings)
+    wrong = validate_checkpoint(directory, encryption_key_file=other)
+    assert [p.kind for p in wrong.problems] == [errors.IntegrityError] and wrong.hashes_checked == 0
+    assert "encryption key is not the one" in wrong.problems[0].message
+    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(good))
+    assert validate_checkpoint(directory).hashes_checked == report.stored
+
+
+def test_with_a_signing_key_too_a_wrong_encryption_key_is_a_decryption_failure(encrypted, key_files):
+    good, other, _ = key_files
+    both = encrypted[1]
+    assert validate_checkpoint(both, signing_key_file=good, encryption_key_file=good).ok
+    wrong = validate_checkpoint(both, signing_key_file=good, encryption_key_file=other)
+    assert [p.kind for p in wrong.problems] == [errors.IntegrityError], wrong.problems
+    assert "decryption failed" in wrong.problems[0].message
+    manifest, path = load_manifest(both)
+    from tensorizer_manifest.checkpoint import read_signing_key
+
+    with pytest.raises(errors.ConfigurationError, match="tensor file is encrypted; pass its key file"):
+        check_files(manifest, path, read_signing_key(good))
+
+
+def test_a_forged_plain_checkpoint_is_refused_given_the_key_and_a_forged_seal_always(
+    pristine, encrypted, key_files, tmp_path
+):
+    """Who can write the bucket but lacks the key can neither pass a plain checkpoint off as the encrypted one,
+    nor claim encryption under a digest seal."""
+    from helpers.bad_inputs import reseal
+
+    good = key_files[0]
+    plain = validate_checkpoint(pristine, encryption_key_file=good)
+    assert [p.kind for p in plain.problems] == [errors.IntegrityError]
+    assert "not encrypted" in plain.problems[0].message
+    d = tmp_path / "forged"
+    shutil.copytree(encrypted[0], d)
+    path = next(d.glob("*.manifest.json"))
+    doc = json.loads(path.read_text())
+    doc["modules"][0]["kernels"][0]["kernel_class"] = "evil.Kernel"
+    reseal(doc)  # a digest: all one can make without the key
+    path.write_text(json.dumps(doc))
+    for key in (good, None):
+        report = validate_checkpoint(d, encryption_key_file=key)
+        assert errors.IntegrityError in [p.kind for p in report.problems], report
+        assert any("not sealed with a key" in p.message for p in report.problems)
+
+
+def test_the_encryption_key_never_shows(encrypted, key_files):
+    good, other, _ = key_files
+    secret = good.read_bytes().decode().strip()
+    directory = encrypted[0]
+    assert secret not in next(directory.glob("*.manifest.json")).read_text()
+    cli = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(directory), "--encryption-key-file",
+         str(good), "--json"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    doc = json.loads(cli.stdout)
+    assert cli.returncode == 0 and doc["encrypted"] and doc["hashes_checked"] > 0, cli.stderr
+    assert secret not in cli.stdout + cli.stderr
+    wrong = subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(directory), "--encryption-key-file",
+         str(other)],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "300", "PATH": ""},
+    )  # fmt: skip
+    assert wrong.returncode == 1 and "IntegrityError" in wrong.stderr and secret not in wrong.stderr
+    from tensorizer_manifest.checkpoint import read_encryption_key
+
+    assert secret not in repr(read_encryption_key(good))

@@ -501,3 +501,29 @@ def test_pre_step_copies_on_disk_write_the_same_bytes_and_are_released_after_the
     for name in names:
         assert filecmp.cmp(tmp_path / "memory" / name, tmp_path / "disk" / name, shallow=False), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "memory"]  # the spill file had no name
+
+
+def test_an_encrypted_save_records_it_seals_with_the_key_and_names_each_write_apart(tmp_path):
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.progress import ProgressUpdate
+    from tensorizer_manifest.schema import ENCRYPTION_TENSORIZER, EncryptionKey, SigningKey, seal_hash
+    from tensorizer_manifest.write import write_checkpoint
+
+    key = EncryptionKey(b"e" * 32)
+    updates: list[ProgressUpdate] = []
+    first = write_checkpoint(make_capture(), tmp_path / "a", "model", encryption_key=key, progress=updates.append)
+    assert first.tensor_file.encryption == ENCRYPTION_TENSORIZER
+    assert first.seal.mode == "mac-encryption-key"
+    assert first.seal.hash == seal_hash(first, "mac-encryption-key", encryption_key=key)
+    assert [u.tensors for u in updates] == list(range(1, first.tensor_file.tensor_count + 1))
+    stored = sum(r.nbytes for _, r in first.ordered_records() if r.key is not None)
+    assert updates[-1] == ProgressUpdate(first.tensor_file.tensor_count, stored, first.tensor_file.tensor_count, stored)
+    # fresh nonces: a second save of the same model is another file, so it never replaces the one a manifest names
+    second = write_checkpoint(make_capture(), tmp_path / "a", "model", encryption_key=key)
+    assert second.tensor_file.path != first.tensor_file.path
+    assert [p.name for p in (tmp_path / "a").glob("*.tensors")] == [second.tensor_file.path]
+    signed = write_checkpoint(make_capture(), tmp_path / "b", "model", SigningKey(b"s" * 32), encryption_key=key)
+    assert signed.seal.mode == "mac" and signed.tensor_file.encryption == ENCRYPTION_TENSORIZER
+    plain = write_checkpoint(make_capture(), tmp_path / "c", "model")
+    assert plain.tensor_file.encryption == "none" and "-" not in plain.tensor_file.path
