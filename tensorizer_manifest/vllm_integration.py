@@ -368,3 +368,22 @@ class ManifestWorkerExtension:
     def tensorizer_manifest_report(self) -> dict | None:
         """What the manifest loader did in this worker (None when it was not used)."""
         return getattr(self._tm_model(), _REPORT_ATTR, None)
+
+    def tensorizer_manifest_state_hashes(self) -> dict[str, str]:
+        """blake3 of every parameter and persistent buffer of this worker's model, by full name.
+
+        Two engines that loaded the same model the same way give equal maps,
+        whichever loader each used: how a rank's state is compared when the
+        engine's workers are other processes (pipeline parallel).
+        """
+        from .tensors import hash_tensor
+
+        hashes = {}
+        for path, module in self._tm_model().named_modules():
+            for name, tensor in module._parameters.items():
+                if tensor is not None:
+                    hashes[f"{path}.{name}" if path else name] = hash_tensor(tensor.detach().cpu())
+            for name, tensor in module._buffers.items():
+                if tensor is not None and name not in module._non_persistent_buffers_set:
+                    hashes[f"{path}.{name}" if path else name] = hash_tensor(tensor.detach().cpu())
+        return hashes
