@@ -15,23 +15,12 @@ import sys
 from pathlib import Path
 
 
-def _our_error(exc: BaseException):
-    from tensorizer_manifest.errors import TensorizerManifestError
-
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, TensorizerManifestError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def main() -> None:
     checkpoint, workdir = Path(sys.argv[1]), Path(sys.argv[2])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
     from helpers.bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
+    from helpers.errors import our_error
     from vllm import LLM, SamplingParams
 
     from tensorizer_manifest.save import shutdown
@@ -58,7 +47,7 @@ def main() -> None:
             out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             entry["tokens"] = list(out[0].outputs[0].token_ids)
         except BaseException as exc:  # noqa: BLE001
-            ours = _our_error(exc)
+            ours = our_error(exc)
             entry["raised"] = type(exc).__name__
             entry["error"] = type(ours).__name__ if ours else None
             entry["message"] = str(ours if ours else exc)[:800]

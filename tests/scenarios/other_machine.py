@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+    from helpers.errors import error_summary
+
     checkpoint = sys.argv[1]
     reference = sys.argv[sys.argv.index("--reference") + 1] if "--reference" in sys.argv else None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -27,7 +31,6 @@ def main() -> None:
 
     from tensorizer_manifest import tensor_file
     from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.errors import TensorizerManifestError
 
     read = {"tensors": 0}
     stream = tensor_file.TensorFileReader.stream
@@ -49,12 +52,7 @@ def main() -> None:
             LLM(model=checkpoint, load_format="tensorizer_manifest", dtype="bfloat16", enforce_eager=True,
                 max_model_len=128, max_num_seqs=1, kv_cache_memory_bytes=64 << 20)  # fmt: skip
     except BaseException as exc:  # noqa: BLE001
-        seen, cause = set(), exc
-        while cause is not None and not isinstance(cause, TensorizerManifestError) and id(cause) not in seen:
-            seen.add(id(cause))
-            cause = cause.__cause__ or cause.__context__
-        found = cause if isinstance(cause, TensorizerManifestError) else exc
-        result["error"], result["message"] = type(found).__name__, str(found)
+        result.update(error_summary(exc))
     result["tensors_read"] = read["tensors"]
     print("OTHER_MACHINE_RESULT " + json.dumps(result))
 

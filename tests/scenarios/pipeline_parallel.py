@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _engine(model: str, load_format: str, pipeline_parallel_size: int, backend: str = "mp"):
@@ -26,10 +27,12 @@ def _engine(model: str, load_format: str, pipeline_parallel_size: int, backend: 
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+    from helpers.errors import error_summary
+
     workdir = sys.argv[1]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.errors import TensorizerManifestError
     from tensorizer_manifest.save import save_checkpoint, shutdown
     from tensorizer_manifest.tiny import build_tiny_model
 
@@ -56,12 +59,7 @@ def main() -> None:
         shutdown(_engine(out, "tensorizer_manifest", 1, backend="uni"))
         result["mismatch"] = None
     except BaseException as exc:  # noqa: BLE001
-        seen, cause = set(), exc
-        while cause is not None and not isinstance(cause, TensorizerManifestError) and id(cause) not in seen:
-            seen.add(id(cause))
-            cause = cause.__cause__ or cause.__context__
-        found = cause if isinstance(cause, TensorizerManifestError) else exc
-        result["mismatch"] = {"error": type(found).__name__, "message": str(found)}
+        result["mismatch"] = error_summary(exc)
     print("PP_RESULT " + json.dumps(result), flush=True)
 
 
