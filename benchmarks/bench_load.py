@@ -51,6 +51,8 @@ SIZES = {
                   num_key_value_heads=8, vocab_size=32000),
 }  # fmt: skip
 PATHS = ("default", "manifest-mixed", "default-fallback", "manifest-processed", "tensorizer")
+#: Not run unless asked for (``--paths``): the processed load with content hashes off.
+EXTRA_PATHS = ("manifest-processed-nohash",)
 ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1, seed=0)
 
 
@@ -236,6 +238,8 @@ def load(path: str, model_dir: str, extra: str) -> dict:
     kwargs: dict = dict(ENGINE, kv_cache_memory_bytes=64 << 20, model=model_dir)
     if path.startswith("manifest"):
         kwargs.update(load_format="tensorizer_manifest", worker_extension_cls=WORKER_EXTENSION)
+        if path.endswith("-nohash"):  # what content hashes cost: the same load with verify_hashes off
+            kwargs.update(model_loader_extra_config={"verify_hashes": False})
     elif path == "tensorizer":
         kwargs.update(load_format="tensorizer", model_loader_extra_config={"tensorizer_uri": extra})
     result: dict = {"path": path}
@@ -343,8 +347,9 @@ def summarise(size: str, runs: list[dict]) -> dict:
         table[path] = row
     ratios: dict = {}
     rounds = len(by_path.get("default", []))
-    for ours, base in (("manifest-mixed", "default"), ("manifest-processed", "default"),
-                       ("manifest-processed", "default-fallback")):  # fmt: skip
+    pairs_of_paths = [("manifest-mixed", "default"), ("manifest-processed", "default"),
+                      ("manifest-processed", "default-fallback"), ("manifest-processed-nohash", "default")]  # fmt: skip
+    for ours, base in pairs_of_paths:
         if ours in by_path and base in by_path:
             for metric in ("load_model", "llm_seconds"):
                 pairs = [
@@ -383,14 +388,14 @@ def plot(summaries: list[dict], refs: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4.2), squeeze=False)
     for ax, summary in zip(axes[0], summaries, strict=True):
-        paths = [p for p in PATHS if p in summary["paths"]]
+        paths = [p for p in (*PATHS, *EXTRA_PATHS) if p in summary["paths"]]
         # A path that fails has no load_model: its bar is the time until LLM() failed, hatched.
         figures = [summary["paths"][p]["llm_seconds" if summary["paths"][p]["failed"] else "load_model"] for p in paths]
         med = [f["median"] for f in figures]
         low = [f["median"] - f["min"] for f in figures]
         high = [f["max"] - f["median"] for f in figures]
         colors = {"default": "#888", "default-fallback": "#aaa", "manifest-mixed": "#2a7",
-                  "manifest-processed": "#195", "tensorizer": "#c44"}  # fmt: skip
+                  "manifest-processed": "#195", "manifest-processed-nohash": "#5b9", "tensorizer": "#c44"}  # fmt: skip
         bars = ax.bar(range(len(paths)), med, yerr=[low, high], capsize=4, color=[colors[p] for p in paths])
         for bar, p in zip(bars, paths, strict=True):
             if summary["paths"][p]["failed"]:
@@ -442,8 +447,13 @@ def main() -> None:
         for round_ in range(args.rounds):
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
                 target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
-                          "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"]}[path]  # fmt: skip
-                env = FALLBACK_ENV if path in ("default-fallback", "manifest-processed") else {}
+                          "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"],
+                          "manifest-processed-nohash": dirs["processed"]}[path]  # fmt: skip
+                env = (
+                    FALLBACK_ENV
+                    if path in ("default-fallback", "manifest-processed", "manifest-processed-nohash")
+                    else {}
+                )
                 runs.append(run_child(path, target, dirs["native"], env=env))
         summary = summarise(size, runs)
         summary["save"] = {k: dirs[k] for k in dirs if k.startswith("save-")}

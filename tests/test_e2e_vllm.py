@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_script
+from conftest import needs_fp8_kv, run_script
 
 pytestmark = pytest.mark.e2e
 
 KINDS = ["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias", "gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe",
-         "kv-fp8-calibrated"]  # fmt: skip
+         pytest.param("kv-fp8-calibrated", marks=needs_fp8_kv), pytest.param("kv-fp8", marks=needs_fp8_kv)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -64,6 +64,7 @@ def test_moe_model_saves_and_its_experts_replay_once(scenarios):
     assert result["manifest_tokens"] == result["reference_tokens"]
 
 
+@needs_fp8_kv
 def test_calibrated_kv_scales_come_back_and_are_never_recomputed(scenarios):
     """Running vLLM's KV-cache step again would reset calibrated scales to 1.0: replay restores them instead."""
     result = scenarios.e2e("kv-fp8-calibrated")
