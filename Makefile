@@ -33,9 +33,10 @@ schema: setup
 	.venv/bin/tensorizer-manifest schema > schemas/manifest-v1.schema.json
 
 # Figures, not assertions (docs/performance.md): load time of every path as a fresh process, manifest
-# scaling, validation and hashing. Takes 15-25 minutes on 2 cores; run it on a quiet machine.
+# scaling, validation and hashing, GPTQ and MoE. Takes 25-35 minutes on 2 cores; run it on a quiet machine.
 bench: setup
 	.venv/bin/python -m pip install -q "matplotlib>=3.7"
 	.venv/bin/python benchmarks/bench_load.py
+	.venv/bin/python benchmarks/bench_kernels.py
 	.venv/bin/python benchmarks/bench_manifest.py --json-out docs/benchmarks/manifest.json
 	.venv/bin/python benchmarks/bench_validate.py

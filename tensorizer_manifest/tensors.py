@@ -45,9 +45,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+#: Tensors at least this large are hashed with blake3's own threads: once the readers are done, the last
+#: hashes use every core instead of one (measured: reading and hashing 1.07 GB on 2 cores, 0.70 -> 0.53 s).
+_THREADED_HASH_BYTES = 8 << 20
+
+
 def hash_tensor(tensor: torch.Tensor) -> str:
-    """blake3 of the tensor's bytes: fast (multi-GB/s), and already a vLLM dependency."""
-    return "blake3:" + blake3.blake3(tensor_bytes(tensor)).hexdigest()
+    """blake3 of the tensor's bytes: fast (multi-GB/s), and already a vLLM dependency. The same digest
+    whether blake3 uses one thread or several."""
+    data = tensor_bytes(tensor)
+    threads = blake3.blake3.AUTO if data.nbytes >= _THREADED_HASH_BYTES else 1
+    return "blake3:" + blake3.blake3(data, max_threads=threads).hexdigest()
 
 
 def param_plain_attrs(tensor: torch.Tensor) -> dict[str, PlainValue]:

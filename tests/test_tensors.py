@@ -119,3 +119,14 @@ def test_records_survive_encoding(tmp_path):
     path = write_synthetic_checkpoint(tmp_path / "ckpt") / "model.manifest.json"
     manifest = decode_manifest(path.read_bytes())
     assert decode_manifest(encode_manifest(manifest)) == manifest
+
+
+def test_a_large_tensor_hashes_the_same_with_blake3_threads_as_on_one_thread():
+    import blake3
+
+    from tensorizer_manifest import tensors
+
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: over the threaded size
+    assert big.numel() * big.element_size() >= tensors._THREADED_HASH_BYTES
+    one_thread = "blake3:" + blake3.blake3(big.numpy().tobytes()).hexdigest()
+    assert hash_tensor(big) == one_thread
