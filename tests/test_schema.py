@@ -180,8 +180,9 @@ FIXTURE_SIGNING_KEY = b"tensorizer-manifest test key 0.2"
 
 @pytest.mark.parametrize("mode", ["digest", "mac"])
 def test_seals_made_by_0_2_0_still_match(mode):
-    """Written by tensorizer-manifest 0.2.0, before ``tensor_file.encryption`` existed. Never regenerate them:
-    a field added after the seal is left out of its bytes while it holds its default."""
+    """Written while 0.3.0 was developed (their producer still says 0.2.0), before ``tensor_file.encryption``
+    existed. Never regenerate them: a field added after the seal is left out of its bytes while it holds its
+    default."""
     manifest = schema.decode_manifest((FIXTURES / f"sealed-0.2.0-{mode}.manifest.json").read_bytes())
     assert manifest.producer == "tensorizer-manifest 0.2.0" and manifest.tensor_file.encryption == "none"
     key = schema.SigningKey(FIXTURE_SIGNING_KEY) if mode == "mac" else None
