@@ -9,7 +9,7 @@ instead would reset calibrated scales to 1.0.
 from __future__ import annotations
 
 from ..layers import has_attention_step
-from .base import Restorer, register
+from .base import Restorer, register, state_beyond
 
 
 class AttentionScalesRestorer(Restorer):
@@ -44,9 +44,9 @@ class AttentionScalesRestorer(Restorer):
         if diff.changed_tensors - self._SCALE_BUFFERS:
             return f"the step changed tensors {sorted(diff.changed_tensors - self._SCALE_BUFFERS)}"
         allowed = {("layer", n) for n in (*self._FLOATS, *self._CPU_COPIES)}
-        extra = (set(diff.changed_attrs) - allowed) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, allowed)
+        if why_not is not None:
+            return why_not
         return None
 
     def replay(self, module, model_config):

@@ -9,6 +9,7 @@ did to it; at load time that restorer replays it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -113,6 +114,13 @@ def layer_kernel(module: torch.nn.Module, attr: str, class_names: set[str]) -> t
         if kernel is not None and qualified_class(kernel) in class_names:
             return f"{owner_name}.{attr}", kernel
     return None
+
+
+def state_beyond(diff: LayerDiff, rebuilt: Iterable[tuple[str, str]]) -> str | None:
+    """Why a restorer does not cover ``diff``: the step created or removed ``(owner, name)`` state beyond what
+    its replay rebuilds (``rebuilt``); None when it did not."""
+    extra = (set(diff.changed_attrs) - set(rebuilt)) | diff.removed_attrs
+    return f"the step created state no restorer rebuilds: {sorted(extra)}" if extra else None
 
 
 def find_restorer(module: torch.nn.Module, diff: LayerDiff) -> tuple[Restorer | None, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._vllm_compat import skips_cpu_gemm_dispatch
-from .base import Restorer, register
+from .base import Restorer, register, state_beyond
 
 
 class CpuUnquantizedGemmRestorer(Restorer):
@@ -40,9 +40,9 @@ class CpuUnquantizedGemmRestorer(Restorer):
         if not diff.tensors_untouched:
             changed = sorted(diff.added_tensors | diff.removed_tensors | diff.changed_tensors)
             return f"the step replaced or packed tensors {changed} (e.g. into a oneDNN handle)"
-        extra = set(diff.changed_attrs) - {("layer", "cpu_linear")}
-        if extra or diff.removed_attrs:
-            return f"the step created state no restorer rebuilds: {sorted(extra | diff.removed_attrs)}"
+        why_not = state_beyond(diff, {("layer", "cpu_linear")})
+        if why_not is not None:
+            return why_not
         return None
 
     def replay(self, module, model_config):

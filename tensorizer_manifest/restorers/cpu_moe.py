@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..schema import qualified_class
-from .base import Restorer, register
+from .base import Restorer, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
 _EXPERTS_BASE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
@@ -60,9 +60,9 @@ class CpuUnquantizedMoeRestorer(Restorer):
         }
 
     def covers(self, module, diff):
-        extra = (set(diff.changed_attrs) - _KERNEL_STATE) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, _KERNEL_STATE)
+        if why_not is not None:
+            return why_not
         if diff.added_tensors or diff.removed_tensors:
             return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
         if self.form(module)["zentorch"]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _vllm_compat
-from .base import Restorer, register
+from .base import Restorer, register, state_beyond
 
 _KERNEL = "vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel"
 _FLAGS = ("use_w4a8", "isa_hint")
@@ -57,9 +57,9 @@ class CpuWna16Restorer(Restorer):
 
     def covers(self, module, diff):
         allowed = {("layer", flag) for flag in _FLAGS}
-        extra = (set(diff.changed_attrs) - allowed) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, allowed)
+        if why_not is not None:
+            return why_not
         if diff.added_tensors - self.creates_tensors(module):
             return f"the step added tensors {sorted(diff.added_tensors)} that a freshly built layer lacks"
         done = {name: value for (_, name), value in diff.changed_attrs.items()}

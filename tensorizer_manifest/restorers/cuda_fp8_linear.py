@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..schema import qualified_class
-from .base import Restorer, device_capability, layer_kernel, register
+from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.quantization.fp8.Fp8LinearMethod"
 _SCALED_MM = "vllm.model_executor.kernels.linear.scaled_mm"
@@ -103,9 +103,9 @@ class CudaFp8LinearRestorer(Restorer):
 
     def covers(self, module, diff):
         expected = self.expected_state(module)
-        extra = (set(diff.changed_attrs) - set(expected)) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, expected)
+        if why_not is not None:
+            return why_not
         for key, value in diff.changed_attrs.items():
             if value is not expected[key] and value != expected[key]:
                 return f"the step set {key} to {value!r}, not {expected[key]!r} as this restorer rebuilds it"

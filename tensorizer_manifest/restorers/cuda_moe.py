@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..schema import qualified_class
-from .base import Restorer, device_capability, register
+from .base import Restorer, device_capability, register, state_beyond
 
 _UNQUANTIZED = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
 _FP8 = "vllm.model_executor.layers.quantization.fp8.Fp8MoEMethod"
@@ -80,9 +80,9 @@ class CudaMoeRestorer(Restorer):
         }
 
     def covers(self, module, diff):
-        extra = (set(diff.changed_attrs) - _KERNEL_STATE) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, _KERNEL_STATE)
+        if why_not is not None:
+            return why_not
         if diff.added_tensors or diff.removed_tensors:
             return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
         if not _experts_step_is_a_no_op(module.quant_method.experts_cls):

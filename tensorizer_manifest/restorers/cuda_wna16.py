@@ -20,7 +20,7 @@ capability are the layer's ``form``: a checkpoint processed for Machete
 from __future__ import annotations
 
 from ..schema import qualified_class
-from .base import Restorer, device_capability, layer_kernel, register
+from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _MP = "vllm.model_executor.kernels.linear.mixed_precision"
 MARLIN = f"{_MP}.marlin.MarlinLinearKernel"
@@ -83,9 +83,9 @@ class CudaWna16Restorer(Restorer):
     def covers(self, module, diff):
         owner, kernel = _kernel(module)
         allowed = self._allowed_attrs(owner, kernel)
-        extra = (set(diff.changed_attrs) - set(allowed)) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, allowed)
+        if why_not is not None:
+            return why_not
         for key, value in diff.changed_attrs.items():
             if key[1] == "w_zp_name" and value != "w_zp":
                 return f"the step set {key} to {value!r}, not the 'w_zp' Marlin defaults to"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..schema import qualified_class
-from .base import Restorer, device_capability, layer_kernel, register
+from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod"
 _FORMAT_SCHEME = "vllm.model_executor.layers.quantization.modelopt.FormatScheme"
@@ -94,9 +94,9 @@ class ModelOptNvfp4Restorer(Restorer):
         if _vllm_compat.retains_nvfp4_weight_for_gather(module):
             return "vLLM keeps gather copies of this layer's weights (aliases made by the step)"
         expected = self.expected_state(module)
-        extra = (set(diff.changed_attrs) - set(expected)) | diff.removed_attrs
-        if extra:
-            return f"the step created state no restorer rebuilds: {sorted(extra)}"
+        why_not = state_beyond(diff, expected)
+        if why_not is not None:
+            return why_not
         for key, value in diff.changed_attrs.items():
             if value != expected[key]:
                 return f"the step set {key} to {value!r}, not {expected[key]!r} as this restorer rebuilds it"
