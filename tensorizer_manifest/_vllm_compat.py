@@ -27,6 +27,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm._custom_ops", "_supports_onednn"),
     ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config"),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading"),
+    ("vllm.model_executor.model_loader.default_loader", "safetensors_weights_iterator"),
+    ("vllm.model_executor.model_loader.weight_utils", "should_skip_weight"),
     ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint"),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel"),
     ("torch.cpu", "_is_amx_tile_supported"),
@@ -140,6 +142,40 @@ def observe_post_load(observer: Callable[[Any, Callable[[], None]], None]) -> It
         yield
     finally:
         base_loader.process_weights_after_loading = original
+
+
+@contextmanager
+def read_safetensors_unmapped() -> Iterator[None]:
+    """Within the block, vLLM's default loader reads safetensors with ``source_weights.iter_safetensors``.
+
+    vLLM's own iterator maps each file, and the mapped pages count as the
+    process's memory until the file is closed. Only its default ("lazy")
+    strategy is replaced; "eager", "prefetch" and "torchao" stay vLLM's.
+    The default loader calls the iterator through its module's global name.
+    """
+    from vllm.model_executor.model_loader import default_loader, weight_utils
+
+    from .source_weights import iter_safetensors
+
+    original = getattr(default_loader, "safetensors_weights_iterator", None)
+    should_skip = getattr(weight_utils, "should_skip_weight", None)
+    if original is None or should_skip is None:
+        raise _gone("default_loader.safetensors_weights_iterator or weight_utils.should_skip_weight")
+
+    def unmapped(files, use_tqdm_on_load, safetensors_load_strategy=None, local_expert_ids=None, **options):
+        if safetensors_load_strategy not in (None, "lazy"):
+            return original(files, use_tqdm_on_load, safetensors_load_strategy, local_expert_ids, **options)
+        return iter_safetensors(
+            files,
+            skip=lambda name: should_skip(name, local_expert_ids),
+            fallback=lambda file: original([file], False, None, local_expert_ids, **options),
+        )
+
+    default_loader.safetensors_weights_iterator = unmapped
+    try:
+        yield
+    finally:
+        default_loader.safetensors_weights_iterator = original
 
 
 # --- CPU kernels ---------------------------------------------------------------------------------

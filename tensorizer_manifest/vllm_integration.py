@@ -267,7 +267,7 @@ class CaptureModelLoader(DefaultModelLoader):
             captured.append(recorder.finish(fingerprint))
 
         try:
-            with _vllm_compat.observe_post_load(observe):
+            with _vllm_compat.observe_post_load(observe), _vllm_compat.read_safetensors_unmapped():
                 model = super().load_model(vllm_config, model_config, prefix)
         except BaseException:
             for capture in captured:
