@@ -478,6 +478,16 @@ class RemoteFile:
         except Exception as exc:
             raise self._error(exc, "uploading it") from None
 
+    def delete(self) -> None:
+        """Remove this S3 object (S3 says nothing when it was already gone)."""
+        if self.scheme != "s3":
+            raise ConfigurationError(f"{self.uri}: only s3:// objects can be removed; http(s) is read-only")
+        bucket, key = self._bucket_key()
+        try:
+            _s3_client(_resolve(self.options, write=True)).delete_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise self._error(exc, "removing it") from None
+
     def _error(self, exc: BaseException, doing: str) -> TensorizerManifestError:
         typed = transfer_error(exc, self.uri, doing)
         if type(typed) is RemoteStorageError and not self._reachable():
@@ -547,7 +557,9 @@ def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | N
 def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None = None) -> list[str]:
     """Upload a saved checkpoint: tensor files first, then config and tokenizer files, manifests last.
 
-    So a reader that finds a manifest finds its tensor file beside it. Returns the names uploaded.
+    So a reader that finds a manifest finds its tensor file beside it. Then the tensor files an earlier
+    save to the same prefix left (same stem, another content digest, named by no manifest any more) are
+    removed, as a local re-save removes them. Returns the names uploaded.
     """
     target = RemoteDir(uri, options or RemoteOptions())
     if target.scheme != "s3":
@@ -558,7 +570,18 @@ def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None =
     others = [p for p in files if p not in tensors and p not in manifests]
     for path in [*tensors, *others, *manifests]:
         (target / path.name).upload(path)
+    uploaded = {p.name for p in tensors}
+    for name in target.list_names():
+        if name not in uploaded and any(_same_stem(name, new) for new in uploaded):
+            (target / name).delete()
     return [p.name for p in [*tensors, *others, *manifests]]
+
+
+def _same_stem(name: str, tensor_file: str) -> bool:
+    """Whether ``name`` is a tensor file of the same rank as ``tensor_file`` (``{stem}.{16 hex}.tensors``)."""
+    pattern = r"(.+)\.[0-9a-f]{16}" + re.escape(TENSORS_SUFFIX)
+    ours, theirs = re.fullmatch(pattern, tensor_file), re.fullmatch(pattern, name)
+    return bool(ours and theirs and ours.group(1) == theirs.group(1))
 
 
 def model_file_names(location: RemoteDir) -> Iterable[str]:

@@ -138,6 +138,23 @@ def test_upload_order_and_s3_reads(moto_s3, checkpoint, tmp_path, monkeypatch):
     assert sorted(p.name for p in cache.iterdir()) == ["config.json", "tokenizer.json"]
 
 
+def test_a_resave_to_the_same_prefix_leaves_no_stale_tensor_file(moto_s3, tmp_path):
+    uri, options = fresh_prefix(), options_for(moto_s3)
+    first = write_synthetic_checkpoint(tmp_path / "first", seed=1)
+    second = write_synthetic_checkpoint(tmp_path / "second", seed=2)
+    upload_checkpoint(first, uri, options)
+    d = RemoteDir(uri, options)
+    (d / "other.0123456789abcdef.tensors").upload(first / "config.json")  # another rank's file stays
+    (d / "notes.txt").upload(first / "config.json")
+    old = [n for n in d.list_names() if n.startswith("model.") and n.endswith(".tensors")]
+    upload_checkpoint(second, uri, options)
+    new = [n for n in d.list_names() if n.endswith(".tensors")]
+    expected = sorted(p.name for p in second.iterdir() if p.name.endswith(".tensors"))
+    assert old != expected  # different weights, different file names: the first one is stale now
+    assert new == sorted([*expected, "other.0123456789abcdef.tensors"])
+    assert "notes.txt" in d.list_names()
+
+
 def test_credentials_from_s3cfg_and_from_the_environment(moto_s3, checkpoint, tmp_path, monkeypatch):
     uri = fresh_prefix()
     home = tmp_path / "home"
