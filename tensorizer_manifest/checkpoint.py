@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TypeVar
 
 from ._constants import ENCRYPTION_KEY_ENV, SIGNING_KEY_ENV
 from .errors import (
@@ -23,6 +24,8 @@ from .errors import (
 )
 from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
 from .schema import MANIFEST_SUFFIX, EncryptionKey, Manifest, SigningKey, decode_manifest
+
+_Key = TypeVar("_Key", SigningKey, EncryptionKey)
 
 #: A manifest or tensor file: on disk, or an object in remote storage.
 FileLocation = Path | RemoteFile
@@ -218,18 +221,18 @@ def _read_key_file(path: str | os.PathLike, source: str, what: str) -> bytes:
 
 def read_signing_key(path: str | os.PathLike, source: str = "signing_key_file") -> SigningKey:
     """The key in a file: its bytes exactly (a trailing newline included), at least 16 of them."""
-    material = _read_key_file(path, source, "signing key")
-    try:
-        return SigningKey(material)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"{source}: {exc}") from None
+    return _read_key(SigningKey, "signing key", path, source)
 
 
 def read_encryption_key(path: str | os.PathLike, source: str = "encryption_key_file") -> EncryptionKey:
     """The encryption key in a file, under the signing key's rules (its bytes exactly, 16 bytes to 64 KiB)."""
-    material = _read_key_file(path, source, "encryption key")
+    return _read_key(EncryptionKey, "encryption key", path, source)
+
+
+def _read_key(key_class: type[_Key], what: str, path: str | os.PathLike, source: str) -> _Key:
+    material = _read_key_file(path, source, what)
     try:
-        return EncryptionKey(material)
+        return key_class(material)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{source}: {exc}") from None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from . import _vllm_compat
 from ._constants import (
@@ -30,11 +30,11 @@ from ._constants import (
 )
 from .checkpoint import encryption_key_from, signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
-from .remote import RemoteDir, RemoteOptions, describe_validation_error, is_remote, upload_checkpoint
+from .remote import RemoteDir, S3Options, describe_validation_error, is_remote, upload_checkpoint
 from .write import copy_model_files
 
 
-class SaveOptions(BaseModel):
+class SaveOptions(S3Options):
     """Engine options a user sets when saving (validated, with readable errors)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -65,11 +65,6 @@ class SaveOptions(BaseModel):
             "only the key's holders can make; without one, with a plain digest."
         ),
     )
-    s3_access_key_id: str | None = Field(None, repr=False, description="For an s3:// OUT (else ~/.s3cfg, env).")
-    s3_secret_access_key: SecretStr | None = Field(
-        None, repr=False, description="For an s3:// OUT (else ~/.s3cfg, AWS_SECRET_ACCESS_KEY)."
-    )
-    s3_endpoint: str | None = Field(None, description="For an s3:// OUT (else ~/.s3cfg, AWS_ENDPOINT_URL).")
     encryption_key_file: str | None = Field(
         None,
         description=(
@@ -89,14 +84,6 @@ class SaveOptions(BaseModel):
             return cls(**options)
         except ValidationError as exc:
             raise ConfigurationError(f"invalid save option: {describe_validation_error(exc)}") from None
-
-    def remote(self) -> RemoteOptions:
-        secret = self.s3_secret_access_key
-        return RemoteOptions(
-            access_key_id=self.s3_access_key_id,
-            secret_access_key=secret.get_secret_value() if secret is not None else None,
-            endpoint=self.s3_endpoint,
-        )
 
 
 _NO_REMOTE = {"s3_access_key_id": None, "s3_secret_access_key": None, "s3_endpoint": None}

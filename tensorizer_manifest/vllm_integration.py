@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -30,7 +30,7 @@ from .errors import ConfigurationError, TensorizerManifestError, UnsupportedMode
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
 from .progress import terminal_progress
-from .remote import CREDENTIAL_OPTIONS, RemoteOptions, describe_validation_error
+from .remote import CREDENTIAL_OPTIONS, S3Options, describe_validation_error
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
 from .validate import check_files, unsealed_warning
@@ -65,7 +65,7 @@ def _log_load(manifest_path: Path, summary: dict) -> None:
     )
 
 
-class LoadOptions(BaseModel):
+class LoadOptions(S3Options):
     """What users may pass in ``model_loader_extra_config`` for ``tensorizer_manifest``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -79,15 +79,6 @@ class LoadOptions(BaseModel):
         None,
         description="Path of the key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); "
         "with a key, only a manifest sealed with it loads.",
-    )
-    s3_access_key_id: str | None = Field(
-        None, repr=False, description="S3 access key id (else ~/.s3cfg, else AWS_ACCESS_KEY_ID)."
-    )
-    s3_secret_access_key: SecretStr | None = Field(
-        None, repr=False, description="S3 secret access key (else ~/.s3cfg, else AWS_SECRET_ACCESS_KEY)."
-    )
-    s3_endpoint: str | None = Field(
-        None, description="S3 endpoint URL (else host_base in ~/.s3cfg, else AWS_ENDPOINT_URL)."
     )
     encryption_key_file: str | None = Field(
         None,
@@ -108,15 +99,6 @@ class LoadOptions(BaseModel):
             raise ConfigurationError(
                 f"invalid model_loader_extra_config for {LOAD_FORMAT}: {describe_validation_error(exc)}"
             ) from None
-
-    def remote(self) -> RemoteOptions:
-        """Credentials and endpoint for a remote ``checkpoint_dir`` (unset ones resolved as tensorizer does)."""
-        secret = self.s3_secret_access_key
-        return RemoteOptions(
-            access_key_id=self.s3_access_key_id,
-            secret_access_key=secret.get_secret_value() if secret is not None else None,
-            endpoint=self.s3_endpoint,
-        )
 
 
 class CaptureOptions(BaseModel):
