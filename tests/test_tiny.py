@@ -259,3 +259,18 @@ def test_kv_fp8_calibrated_has_kv_cache_scheme_and_calibrated_scales(tmp_path):
     for observed, name in ((k_bound, "k_scale"), (v.abs().max().item(), "v_scale")):
         scale = state[f"model.layers.0.self_attn.{name}"].item()
         assert scale * tiny.FP8_E4M3_MAX == pytest.approx(observed, rel=0.05), name
+
+
+@pytest.mark.parametrize(
+    ("kind", "architecture", "embedding"),
+    [
+        ("gpt2", "GPT2LMHeadModel", "transformer.wte.weight"),
+        ("gemma2", "Gemma2ForCausalLM", "model.embed_tokens.weight"),
+    ],
+)
+def test_other_architectures_are_tied_bf16_checkpoints_without_a_head_copy(tmp_path, kind, architecture, embedding):
+    config, state = build(tmp_path, kind)
+    assert config["architectures"] == [architecture]
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state
+    assert state[embedding].shape == (config["vocab_size"], 256)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
