@@ -17,7 +17,8 @@ from conftest import needs_fp8_kv, run_script
 pytestmark = pytest.mark.e2e
 
 KINDS = ["llama", "qwen3-tied", "w8a8-int8", "qwen2-bias", "gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe", "gpt2",
-         "gemma2", pytest.param("kv-fp8-calibrated", marks=needs_fp8_kv), pytest.param("kv-fp8", marks=needs_fp8_kv)]  # fmt: skip
+         "gemma2", pytest.param("kv-fp8-calibrated", marks=needs_fp8_kv),
+         pytest.param("kv-fp8", marks=needs_fp8_kv)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
