@@ -52,7 +52,7 @@ SIZES = {
 }  # fmt: skip
 PATHS = ("default", "manifest-mixed", "default-fallback", "manifest-processed", "tensorizer")
 #: Not run unless asked for (``--paths``): the processed load with content hashes off.
-EXTRA_PATHS = ("manifest-processed-nohash",)
+EXTRA_PATHS = ("manifest-processed-nohash", "manifest-mixed-overlap")
 ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1, seed=0)
 
 
@@ -240,6 +240,8 @@ def load(path: str, model_dir: str, extra: str) -> dict:
         kwargs.update(load_format="tensorizer_manifest", worker_extension_cls=WORKER_EXTENSION)
         if path.endswith("-nohash"):  # what content hashes cost: the same load with verify_hashes off
             kwargs.update(model_loader_extra_config={"verify_hashes": False})
+        if path.endswith("-overlap"):  # steps while reading, as on accelerators (on CPU they run after it)
+            kwargs.update(model_loader_extra_config={"overlap_steps": True})
     elif path == "tensorizer":
         kwargs.update(load_format="tensorizer", model_loader_extra_config={"tensorizer_uri": extra})
     result: dict = {"path": path}
@@ -348,7 +350,9 @@ def summarise(size: str, runs: list[dict]) -> dict:
     ratios: dict = {}
     rounds = len(by_path.get("default", []))
     pairs_of_paths = [("manifest-mixed", "default"), ("manifest-processed", "default"),
-                      ("manifest-processed", "default-fallback"), ("manifest-processed-nohash", "default")]  # fmt: skip
+                      ("manifest-processed", "default-fallback"), ("manifest-processed-nohash", "default"),
+                      ("manifest-mixed-overlap", "default"),
+                      ("manifest-mixed", "manifest-mixed-overlap")]  # fmt: skip
     for ours, base in pairs_of_paths:
         if ours in by_path and base in by_path:
             for metric in ("load_model", "llm_seconds"):
@@ -395,7 +399,8 @@ def plot(summaries: list[dict], refs: dict, path: Path) -> None:
         low = [f["median"] - f["min"] for f in figures]
         high = [f["max"] - f["median"] for f in figures]
         colors = {"default": "#888", "default-fallback": "#aaa", "manifest-mixed": "#2a7",
-                  "manifest-processed": "#195", "manifest-processed-nohash": "#5b9", "tensorizer": "#c44"}  # fmt: skip
+                  "manifest-processed": "#195", "manifest-processed-nohash": "#5b9", "tensorizer": "#c44",
+                  "manifest-mixed-overlap": "#7c4"}  # fmt: skip
         bars = ax.bar(range(len(paths)), med, yerr=[low, high], capsize=4, color=[colors[p] for p in paths])
         for bar, p in zip(bars, paths, strict=True):
             if summary["paths"][p]["failed"]:
@@ -448,7 +453,8 @@ def main() -> None:
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
                 target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
                           "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"],
-                          "manifest-processed-nohash": dirs["processed"]}[path]  # fmt: skip
+                          "manifest-processed-nohash": dirs["processed"],
+                          "manifest-mixed-overlap": dirs["mixed"]}[path]  # fmt: skip
                 env = (
                     FALLBACK_ENV
                     if path in ("default-fallback", "manifest-processed", "manifest-processed-nohash")

@@ -63,8 +63,17 @@ class Replayer:
     as processed), and attention steps, which vLLM runs after every quant step.
     """
 
-    def __init__(self, model: torch.nn.Module, manifest: Manifest, model_config: Any, target_device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        manifest: Manifest,
+        model_config: Any,
+        target_device: torch.device,
+        overlap_steps: bool = True,
+    ):
         refuse_model_level_hook(model)
+        self.overlap_steps = overlap_steps
+        """Whether ``layer_ready`` runs steps while later layers are read; else ``finish`` runs every step."""
         self.model = model
         self.manifest = manifest
         self.model_config = model_config
@@ -79,7 +88,7 @@ class Replayer:
 
     def layer_ready(self, record: ModuleRecord, module: torch.nn.Module, check_hashes: Callable[[str], None]) -> None:
         """Called once a layer's tensors are in place; ``check_hashes(path)`` waits for their hashes."""
-        if record.path in self._early:
+        if self.overlap_steps and record.path in self._early:
             restorer = RESTORERS.get(record.replay)
             if record.state == "raw" or restorer is None or restorer.writes_tensors:
                 check_hashes(record.path)  # nothing may change a tensor in place before its hash is checked

@@ -75,6 +75,12 @@ class LoadOptions(S3Options):
     num_readers: int | None = Field(
         None, ge=1, le=64, description="Parallel readers of the tensor file (default: one per core, at most 8)."
     )
+    overlap_steps: bool | None = Field(
+        None,
+        description="Run each layer's post-load step or restorer as soon as its tensors are in, while later "
+        "layers are still being read. Default: on accelerators only; on CPU the steps (oneDNN packing) use "
+        "every core and slow the readers down more than the overlap gains (docs/performance.md).",
+    )
     signing_key_file: str | None = Field(
         None,
         description="Path of the key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); "
@@ -182,7 +188,8 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("build_model")
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
-            replayer = replay.Replayer(model, manifest, model_config, target_device)
+            overlap = options.overlap_steps if options.overlap_steps is not None else target_device.type != "cpu"
+            replayer = replay.Replayer(model, manifest, model_config, target_device, overlap_steps=overlap)
             with (
                 TensorFileReader(
                     tensor_path,
@@ -211,6 +218,7 @@ class ManifestModelLoader(BaseModelLoader):
             "verify_hashes": options.verify_hashes,
             "encrypted": encryption_key is not None,
             "num_readers": num_readers,
+            "overlap_steps": overlap,
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
         }

@@ -30,6 +30,21 @@ def test_tokens_match_default_loader(scenarios, kind):
     assert result["manifest_tokens"] == result["reference_tokens"]
 
 
+@pytest.mark.parametrize("kind", ["llama", "gptq-w4"])
+def test_steps_overlapped_with_reading_give_the_same_tokens_and_run_once(scenarios, kind):
+    """On CPU the steps run after the reading by default; overlap_steps=true (the accelerators' default) must
+    give the same result: same tokens, vLLM's step once per raw layer, never on processed ones."""
+    sequential, overlapped = scenarios.e2e(kind), scenarios.e2e(kind, "--overlap")
+    assert sequential["overlap_steps"] is False and overlapped["overlap_steps"] is True
+    assert overlapped["manifest_tokens"] == overlapped["reference_tokens"] == sequential["manifest_tokens"]
+    raw = {path for path, layer in overlapped["layers"].items() if layer["state"] == "raw"}
+    assert raw or kind == "gptq-w4"  # the tiny GPTQ model saves every layer processed
+    assert all(n == 1 for n in overlapped["post_load_counts"].values())
+    assert overlapped["report"]["restored"] == sequential["report"]["restored"] != {}
+    assert {key.split(":", 1)[1] for key in overlapped["post_load_counts"]} <= raw
+    assert overlapped["processed_tensor_mismatches"] == []
+
+
 def test_tokens_match_with_vllm_multiprocessing(scenarios):
     """Engine core and worker in separate processes: the loader comes from the plugin entry point."""
     result = scenarios.e2e("llama", "--multiprocessing")

@@ -60,11 +60,9 @@ def test_a_kernel_that_changed_under_a_kernel_specific_layer_is_a_replay_error()
     assert report.kernel_changes == ["norm: layer.cpu_linear saved as some.Kernel, now None"]
 
 
-def test_raw_steps_run_as_layers_arrive_and_tied_layers_wait_for_finish():
-    """A layer another layer aliases keeps its tensors as loaded until every tensor is in place."""
+def _model_with_steps() -> tuple[torch.nn.Module, list[str]]:
+    """Layers ``a`` and ``b``, each with a quant method that records when vLLM's step would run on it."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    from tensorizer_manifest.replay import Replayer
 
     calls: list[str] = []
 
@@ -87,15 +85,23 @@ def test_raw_steps_run_as_layers_arrive_and_tied_layers_wait_for_finish():
         layer.weight = torch.nn.Parameter(torch.ones(2), requires_grad=False)
         layer.quant_method = Method(name)
         setattr(model, name, layer)
+    return model, calls
+
+
+def _raw(path: str) -> schema.ModuleRecord:
+    return schema.ModuleRecord(path=path, module_class="x.Y", state="raw", replay="post_load")
+
+
+def test_raw_steps_run_as_layers_arrive_and_tied_layers_wait_for_finish():
+    """A layer another layer aliases keeps its tensors as loaded until every tensor is in place."""
+    from tensorizer_manifest.replay import Replayer
+
+    model, calls = _model_with_steps()
     model.c = torch.nn.Module()
     tied = schema.TensorRecord(name="weight", kind="parameter", dtype="float32", shape=[2], stride=[1], nbytes=8,
                                hash="blake3:" + "0" * 64, alias_of="b.weight")  # fmt: skip
-
-    def raw(path: str) -> schema.ModuleRecord:
-        return schema.ModuleRecord(path=path, module_class="x.Y", state="raw", replay="post_load")
-
     c = schema.ModuleRecord(path="c", module_class="x.Y", state="processed", replay="none", tensors=[tied])
-    manifest = _manifest(raw("a"), raw("b"), c)
+    manifest = _manifest(_raw("a"), _raw("b"), c)
     replayer = Replayer(model, manifest, None, torch.device("cpu"))
     checked = []
     for record in manifest.modules:
@@ -119,3 +125,17 @@ def test_a_restorer_that_never_writes_its_tensors_does_not_wait_for_their_hashes
     checked: list[str] = []
     replayer.layer_ready(record, model.norm, checked.append)
     assert checked == [] and replayer.report.restored == {"norm": "attention_scales"}
+
+
+def test_without_overlap_every_step_waits_for_finish_and_runs_in_vllms_order():
+    from tensorizer_manifest.replay import Replayer
+
+    model, calls = _model_with_steps()
+    manifest = _manifest(*(_raw(path) for path in ("a", "b")))
+    replayer = Replayer(model, manifest, None, torch.device("cpu"), overlap_steps=False)
+    checked: list[str] = []
+    for record in manifest.modules:
+        replayer.layer_ready(record, model.get_submodule(record.path), checked.append)
+    assert calls == [] and checked == [] and replayer.step_seconds == 0.0
+    assert replayer.finish().post_load == ["a:quant_method", "b:quant_method"]
+    assert calls == ["a", "b"]

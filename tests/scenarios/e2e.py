@@ -1,6 +1,6 @@
 """One end-to-end scenario on real vLLM, run in its own process; prints a JSON result on the last line.
 
-Usage: python tests/scenarios/e2e.py KIND WORKDIR [--fallback] [--multiprocessing]
+Usage: python tests/scenarios/e2e.py KIND WORKDIR [--fallback] [--multiprocessing] [--portable] [--overlap]
 
 Steps: reference tokens with vLLM's default loader on the safetensors model,
 save with a manifest, load back with load_format="tensorizer_manifest" while
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--fallback", action="store_true", help="vLLM's torch CPU GEMM instead of oneDNN")
     parser.add_argument("--multiprocessing", action="store_true")
     parser.add_argument("--portable", action="store_true", help="save with --portable (every layer raw)")
+    parser.add_argument("--overlap", action="store_true", help="load with overlap_steps=true (steps while reading)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
 
@@ -48,6 +49,7 @@ def main() -> None:
         apply_cpu_gemm("fallback")
     model_dir = build_tiny_model(os.path.join(args.workdir, f"tiny-{args.kind}"), args.kind)
     suffix = ("-fallback" if args.fallback else "") + ("-portable" if args.portable else "")
+    suffix += "-overlap" if args.overlap else ""
     out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{suffix}")
     result: dict = {"kind": args.kind, "checkpoint": out_dir}
 
@@ -149,11 +151,17 @@ def main() -> None:
                     if t is not None:
                         loaded[f"{path}.{name}" if path else name] = t.detach().clone()
             captured["report"] = report.to_dict()
+            captured["overlap_steps"] = self.overlap_steps
             captured["kv_scales"] = kv_scale_floats(self.model)
             return report
 
         Replayer.__init__, Replayer.finish = tagging_init, keeping_finish
-    result["manifest_tokens"], _, _ = generate_tokens(out_dir, "tensorizer_manifest", **engine_args(args.kind))
+    result["manifest_tokens"], _, _ = generate_tokens(
+        out_dir,
+        "tensorizer_manifest",
+        loader_config={"overlap_steps": True} if args.overlap else None,
+        **engine_args(args.kind),
+    )
 
     from tensorizer_manifest.checkpoint import load_manifest
 
@@ -168,6 +176,7 @@ def main() -> None:
     else:
         result["post_load_counts"] = {f"{label}:{path}": n for (label, path), n in counts.items()}
         result["report"] = captured.get("report")
+        result["overlap_steps"] = captured.get("overlap_steps")
         result["kv_scales"] = {
             path: {"reference": ref, "loaded": captured["kv_scales"].get(path)}
             for path, ref in captured["ref_kv_scales"].items()
