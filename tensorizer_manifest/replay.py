@@ -69,11 +69,14 @@ class Replayer:
         manifest: Manifest,
         model_config: Any,
         target_device: torch.device,
-        overlap_steps: bool = True,
+        overlap_raw_steps: bool = True,
+        overlap_restorers: bool = True,
     ):
         refuse_model_level_hook(model)
-        self.overlap_steps = overlap_steps
-        """Whether ``layer_ready`` runs steps while later layers are read; else ``finish`` runs every step."""
+        self.overlap_raw_steps = overlap_raw_steps
+        """Whether ``layer_ready`` runs vLLM's step on a raw layer at once; else ``finish`` does, after the reading."""
+        self.overlap_restorers = overlap_restorers
+        """The same for the restorers of processed layers."""
         self.model = model
         self.manifest = manifest
         self.model_config = model_config
@@ -88,7 +91,8 @@ class Replayer:
 
     def layer_ready(self, record: ModuleRecord, module: torch.nn.Module, check_hashes: Callable[[str], None]) -> None:
         """Called once a layer's tensors are in place; ``check_hashes(path)`` waits for their hashes."""
-        if self.overlap_steps and record.path in self._early:
+        overlap = self.overlap_raw_steps if record.state == "raw" else self.overlap_restorers
+        if overlap and record.path in self._early:
             restorer = RESTORERS.get(record.replay)
             if record.state == "raw" or restorer is None or restorer.writes_tensors:
                 check_hashes(record.path)  # nothing may change a tensor in place before its hash is checked

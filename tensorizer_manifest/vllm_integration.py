@@ -77,9 +77,10 @@ class LoadOptions(S3Options):
     )
     overlap_steps: bool | None = Field(
         None,
-        description="Run each layer's post-load step or restorer as soon as its tensors are in, while later "
-        "layers are still being read. Default: on accelerators only; on CPU the steps (oneDNN packing) use "
-        "every core and slow the readers down more than the overlap gains (docs/performance.md).",
+        description="true: run each layer's post-load step or restorer as soon as its tensors are in, while "
+        "later layers are still being read; false: every step after the reading. Default: restorers at once, "
+        "vLLM's own steps on raw layers at once on accelerators and after the reading on CPU, where they "
+        "(oneDNN packing) use every core and slow the readers more than the overlap gains (docs/performance.md).",
     )
     signing_key_file: str | None = Field(
         None,
@@ -153,6 +154,18 @@ class _Clock:
         self._last = now
 
 
+def overlap_policy(overlap_steps: bool | None, device: torch.device) -> dict[str, bool]:
+    """Which steps run while later layers are still read: ``raw_steps`` (vLLM's own), ``restorers``.
+
+    Unset, restorers always do (light, or packing one layer while the rest streams in), and vLLM's steps on
+    raw layers only off the CPU: on CPU they pack every raw linear with oneDNN on every core, and beside
+    the readers that is slower than reading first (docs/performance.md has the paired runs).
+    """
+    if overlap_steps is not None:
+        return {"raw_steps": overlap_steps, "restorers": overlap_steps}
+    return {"raw_steps": device.type != "cpu", "restorers": True}
+
+
 class ManifestModelLoader(BaseModelLoader):
     """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
 
@@ -188,8 +201,15 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("build_model")
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
-            overlap = options.overlap_steps if options.overlap_steps is not None else target_device.type != "cpu"
-            replayer = replay.Replayer(model, manifest, model_config, target_device, overlap_steps=overlap)
+            overlap = overlap_policy(options.overlap_steps, target_device)
+            replayer = replay.Replayer(
+                model,
+                manifest,
+                model_config,
+                target_device,
+                overlap_raw_steps=overlap["raw_steps"],
+                overlap_restorers=overlap["restorers"],
+            )
             with (
                 TensorFileReader(
                     tensor_path,

@@ -32,10 +32,11 @@ def test_tokens_match_default_loader(scenarios, kind):
 
 @pytest.mark.parametrize("kind", ["llama", "gptq-w4"])
 def test_steps_overlapped_with_reading_give_the_same_tokens_and_run_once(scenarios, kind):
-    """On CPU the steps run after the reading by default; overlap_steps=true (the accelerators' default) must
-    give the same result: same tokens, vLLM's step once per raw layer, never on processed ones."""
+    """On CPU vLLM's steps on raw layers run after the reading by default; overlap_steps=true (the accelerators'
+    default) must give the same result: same tokens, vLLM's step once per raw layer, never on processed ones."""
     sequential, overlapped = scenarios.e2e(kind), scenarios.e2e(kind, "--overlap")
-    assert sequential["overlap_steps"] is False and overlapped["overlap_steps"] is True
+    assert sequential["overlap_steps"] == {"raw_steps": False, "restorers": True}
+    assert overlapped["overlap_steps"] == {"raw_steps": True, "restorers": True}
     assert overlapped["manifest_tokens"] == overlapped["reference_tokens"] == sequential["manifest_tokens"]
     raw = {path for path, layer in overlapped["layers"].items() if layer["state"] == "raw"}
     assert raw or kind == "gptq-w4"  # the tiny GPTQ model saves every layer processed

@@ -127,12 +127,12 @@ def test_a_restorer_that_never_writes_its_tensors_does_not_wait_for_their_hashes
     assert checked == [] and replayer.report.restored == {"norm": "attention_scales"}
 
 
-def test_without_overlap_every_step_waits_for_finish_and_runs_in_vllms_order():
+def test_without_overlap_raw_steps_wait_for_finish_and_run_in_vllms_order():
     from tensorizer_manifest.replay import Replayer
 
     model, calls = _model_with_steps()
     manifest = _manifest(*(_raw(path) for path in ("a", "b")))
-    replayer = Replayer(model, manifest, None, torch.device("cpu"), overlap_steps=False)
+    replayer = Replayer(model, manifest, None, torch.device("cpu"), overlap_raw_steps=False)
     checked: list[str] = []
     for record in manifest.modules:
         replayer.layer_ready(record, model.get_submodule(record.path), checked.append)

@@ -62,3 +62,15 @@ def test_plugin_registers_both_load_formats_once():
     register()
     assert not _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
     assert not _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
+
+
+def test_overlap_policy_defers_vllms_steps_on_cpu_only_and_an_explicit_choice_wins():
+    import torch
+
+    from tensorizer_manifest.vllm_integration import LoadOptions, overlap_policy
+
+    assert LoadOptions().overlap_steps is None
+    assert overlap_policy(None, torch.device("cpu")) == {"raw_steps": False, "restorers": True}
+    assert overlap_policy(None, torch.device("cuda", 0)) == {"raw_steps": True, "restorers": True}
+    assert overlap_policy(True, torch.device("cpu")) == {"raw_steps": True, "restorers": True}
+    assert overlap_policy(False, torch.device("cuda")) == {"raw_steps": False, "restorers": False}

@@ -151,7 +151,7 @@ def main() -> None:
                     if t is not None:
                         loaded[f"{path}.{name}" if path else name] = t.detach().clone()
             captured["report"] = report.to_dict()
-            captured["overlap_steps"] = self.overlap_steps
+            captured["overlap_steps"] = {"raw_steps": self.overlap_raw_steps, "restorers": self.overlap_restorers}
             captured["kv_scales"] = kv_scale_floats(self.model)
             return report
 
