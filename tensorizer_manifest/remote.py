@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr
-
 from .errors import (
     ConfigurationError,
     RemoteAccessError,
@@ -132,29 +130,6 @@ class _Resolved:
         return f"_Resolved(endpoint={self.endpoint!r})"
 
 
-class S3Options(BaseModel):
-    """The S3 fields of the save and load options (pydantic): one place for their names and their fallbacks."""
-
-    s3_access_key_id: str | None = Field(
-        None, repr=False, description="S3 access key id (else ~/.s3cfg, else AWS_ACCESS_KEY_ID)."
-    )
-    s3_secret_access_key: SecretStr | None = Field(
-        None, repr=False, description="S3 secret access key (else ~/.s3cfg, else AWS_SECRET_ACCESS_KEY)."
-    )
-    s3_endpoint: str | None = Field(
-        None, description="S3 endpoint URL (else host_base in ~/.s3cfg, else AWS_ENDPOINT_URL)."
-    )
-
-    def remote(self) -> RemoteOptions:
-        """Credentials and endpoint for an s3:// location (unset ones resolved as tensorizer does)."""
-        secret = self.s3_secret_access_key
-        return RemoteOptions(
-            access_key_id=self.s3_access_key_id,
-            secret_access_key=secret.get_secret_value() if secret is not None else None,
-            endpoint=self.s3_endpoint,
-        )
-
-
 def _read_s3cfg(path: str | None) -> dict[str, str]:
     candidates = [path] if path else [os.path.expanduser("~/.s3cfg")]
     parser = configparser.ConfigParser()
@@ -239,14 +214,6 @@ def _check_uri(uri: str) -> tuple[str, str, str]:
     if not parts.netloc:
         raise ConfigurationError(f"{uri!r}: no {'bucket' if scheme == 's3' else 'host'} in the URI")
     return scheme, parts.netloc, parts.path
-
-
-def describe_validation_error(exc: Any) -> str:
-    """A pydantic ``ValidationError`` as text without the values given (one of them may be a credential)."""
-    return "; ".join(
-        f"{'.'.join(str(part) for part in error['loc']) or 'options'}: {error['msg']}"
-        for error in exc.errors(include_url=False, include_input=False)
-    )
 
 
 # -- classifying failures ---------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from ._constants import (
 )
 from .checkpoint import encryption_key_from, signing_key_from
 from .errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
-from .remote import RemoteDir, S3Options, describe_validation_error, is_remote, upload_checkpoint
+from .options import S3Options, describe_validation_error
+from .remote import RemoteDir, is_remote, upload_checkpoint
 from .write import copy_model_files
 
 

@@ -29,8 +29,9 @@ from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, sig
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .load import check_model, restore_tensors
+from .options import S3Options, describe_validation_error
 from .progress import terminal_progress
-from .remote import CREDENTIAL_OPTIONS, S3Options, describe_validation_error
+from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX
 from .tensor_file import TensorFileReader
 from .validate import check_files, unsealed_warning
