@@ -58,9 +58,11 @@ class Replayer:
     vLLM's quant-method step of a layer touches that layer alone, so it gives
     the same result whether it runs while later layers are still being read or
     after all of them: ``layer_ready`` runs it (or the layer's restorer) at
-    once. Two kinds wait for ``finish``, which then follows vLLM's order: layers
-    whose tensors other layers alias (a tie must see the tensor as loaded, not
-    as processed), and attention steps, which vLLM runs after every quant step.
+    once, unless ``overlap_raw_steps`` / ``overlap_restorers`` say to wait (the
+    loader's ``overlap_policy``). Two kinds always wait for ``finish``, which then
+    follows vLLM's order: layers whose tensors other layers alias (a tie must see
+    the tensor as loaded, not as processed), and attention steps, which vLLM runs
+    after every quant step.
     """
 
     def __init__(
