@@ -164,6 +164,10 @@ class TensorFileReader:
                 return typed
         return IntegrityError(f"{self.path.name}: {damaged}")
 
+    def index(self) -> dict[str, IndexEntry]:
+        """tensorizer's index of the file as parsed when the reader opened it: ``read_index`` without a second parse."""
+        return _index_of(self._deserializer)
+
     def read(self, key: str) -> torch.Tensor:
         if key not in self.keys:
             raise IntegrityError(f"{self.path.name}: tensor {key!r} named in the manifest is not in the file")
@@ -211,11 +215,7 @@ _INDEX_ONLY_KEY = bytes(32)
 
 
 def read_index(path: Path | RemoteFile, encrypted: bool = False) -> dict[str, IndexEntry]:
-    """tensorizer's index of a file, by tensor name. Reads no tensor data, so needs no key when ``encrypted``.
-
-    Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
-    the one place this package touches a private tensorizer name.
-    """
+    """tensorizer's index of a file, by tensor name. Reads no tensor data, so needs no key when ``encrypted``."""
     from tensorizer import DecryptionParams, TensorDeserializer
 
     encryption = DecryptionParams.from_key(_INDEX_ONLY_KEY) if encrypted else None
@@ -244,19 +244,28 @@ def read_index(path: Path | RemoteFile, encrypted: bool = False) -> dict[str, In
                 raise typed from None
         raise
     try:
-        index = {}
-        for key, entry in deserializer._metadata.items():
-            name = key if isinstance(key, str) else ".".join(entry.name)
-            index[name] = IndexEntry(
-                _torch_dtype_name(entry.dtype),
-                list(entry.shape),
-                int(entry.data_offset),
-                int(entry.data_length),
-                int(entry.offset),
-            )
-        return index
+        return _index_of(deserializer)
     finally:
         deserializer.close()
+
+
+def _index_of(deserializer) -> dict[str, IndexEntry]:
+    """The index an open ``TensorDeserializer`` parsed.
+
+    Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
+    the one place this package touches a private tensorizer name.
+    """
+    index = {}
+    for key, entry in deserializer._metadata.items():
+        name = key if isinstance(key, str) else ".".join(entry.name)
+        index[name] = IndexEntry(
+            _torch_dtype_name(entry.dtype),
+            list(entry.shape),
+            int(entry.data_offset),
+            int(entry.data_length),
+            int(entry.offset),
+        )
+    return index
 
 
 def head_hash(path: Path | RemoteFile, index: dict[str, IndexEntry] | None = None) -> str:

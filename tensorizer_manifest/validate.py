@@ -12,7 +12,8 @@ file and not overlapping). Content hashes are checked last, one tensor at a time
 
 ``validate_checkpoint`` collects every problem into a frozen report (as
 huggingface_hub's cache verification does); the loader calls
-``check_files`` and raises the first kind of problem with all of them listed.
+``open_checked`` (``check_files`` with the tensor file left open, so tensorizer
+parses its header once) and raises the first kind of problem with all of them listed.
 A remote checkpoint (``s3://``, ``http(s)://``) gets the same checks: its
 prefix and headers with ranged reads, its content hashes as it streams.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +61,7 @@ from .schema import (
     full_name,
     seal_hash,
 )
-from .tensor_file import TensorFileReader, head_hash, prefix_hash, read_index
+from .tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
 from .tensors import hash_tensor
 
 #: The largest tensor a record may describe; bigger claims are refused before allocation.
@@ -337,17 +340,36 @@ def _check_alias(name: str, record: TensorRecord, records_by_name: dict[str, Ten
 
 
 def check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
-    """File-level checks from metadata only: size, head hash, tensorizer's index.
+    """File-level checks from metadata only: size, prefix, head hash, tensorizer's index.
 
     A remote file that cannot be read is one problem of its ``RemoteStorageError`` kind.
     """
     try:
-        return _check_tensor_file(manifest, tensor_path, by_key)
+        problems = _check_before_parsing(manifest, tensor_path, by_key)
+        if problems:
+            return problems  # tensorizer never sees a file whose header and index are not the saved ones
+        try:
+            index = read_index(tensor_path, encrypted=manifest.tensor_file.encryption != "none")
+        except RemoteStorageError:
+            raise
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            return [
+                Problem(
+                    IntegrityError,
+                    str(tensor_path),
+                    f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): "
+                    "the file's header does not match the manifest",
+                )
+            ]
+        return _check_index(manifest, tensor_path, by_key, index)
     except RemoteStorageError as exc:
         return [Problem(type(exc), str(tensor_path), str(exc))]
 
 
-def _check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
+def _check_before_parsing(
+    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
+) -> list[Problem]:
+    """What plain reads can check before tensorizer parses a byte: the size, then the prefix."""
     where = str(tensor_path)
     size = file_size(tensor_path)
     if size != manifest.tensor_file.size:
@@ -363,21 +385,14 @@ def _check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: di
     if total > size:
         return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
     prefix = _check_prefix(manifest, tensor_path, size)
-    if prefix is not None:
-        return [prefix]  # tensorizer never sees a file whose header and index are not the saved ones
-    try:
-        index = read_index(tensor_path, encrypted=manifest.tensor_file.encryption != "none")
-    except RemoteStorageError:
-        raise
-    except Exception as exc:  # tensorizer raises many kinds on a damaged file
-        return [
-            Problem(
-                IntegrityError,
-                where,
-                f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): "
-                "the file's header does not match the manifest",
-            )
-        ]
+    return [prefix] if prefix is not None else []
+
+
+def _check_index(
+    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord], index: dict[str, IndexEntry]
+) -> list[Problem]:
+    """tensorizer's index of the file (already parsed) and the bytes around the data against the manifest."""
+    where, size = str(tensor_path), manifest.tensor_file.size  # the size was checked before parsing
     problems: list[Problem] = []
     if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index) != manifest.tensor_file.head_hash:
         problems.append(
@@ -459,19 +474,67 @@ def check_files(
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> FileLocation:
-    """Everything but content hashes; raises on the first kind of problem. Used by the loader.
+    """Everything but content hashes; raises on the first kind of problem. Returns the tensor file's location.
 
     The seal comes first: with the encryption key, a wrong key is refused here, before any weight is read.
+    The loader uses ``open_checked``, the same checks with the file left open.
     """
+    tensor_path, by_key = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+    problems = check_tensor_file(manifest, tensor_path, by_key)
+    ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
+    return tensor_path
+
+
+@contextmanager
+def open_checked(
+    manifest: Manifest,
+    manifest_path: FileLocation,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+    *,
+    device: str = "cpu",
+    num_readers: int | None = None,
+) -> Iterator[TensorFileReader]:
+    """``check_files``, then the tensor file open for reading, its header parsed by tensorizer once.
+
+    The prefix hash vouches for tensorizer's header and index with plain reads
+    before tensorizer opens the file; the index the reader then parsed is
+    checked as ``check_files`` checks it. Nothing is read from the tensor data.
+    """
+    tensor_path, by_key = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+    try:
+        problems = _check_before_parsing(manifest, tensor_path, by_key)
+    except RemoteStorageError as exc:
+        problems = [Problem(type(exc), str(tensor_path), str(exc))]
+    ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
+    try:
+        reader = TensorFileReader(tensor_path, device=device, num_readers=num_readers, encryption_key=encryption_key)
+    except ConfigurationError:
+        if manifest.tensor_file.encryption != "none":
+            raise
+        raise IntegrityError(f"{tensor_path}: the tensor file is encrypted, its manifest says it is not") from None
+    with reader:
+        try:
+            problems = _check_index(manifest, tensor_path, by_key, reader.index())
+        except RemoteStorageError as exc:
+            problems = [Problem(type(exc), str(tensor_path), str(exc))]
+        ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
+        yield reader
+
+
+def _check_manifest_for_loading(
+    manifest: Manifest,
+    manifest_path: FileLocation,
+    signing_key: SigningKey | None,
+    encryption_key: EncryptionKey | None,
+) -> tuple[FileLocation, dict[str, TensorRecord]]:
+    """The manifest's own checks and its keys, raised; then where its tensor file is."""
     problems, by_key = check_manifest(manifest, manifest_path, signing_key, encryption_key)
     keys = check_encryption(manifest, encryption_key)
     if keys is not None:
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
-    tensor_path = resolve_tensor_file(manifest, manifest_path)
-    problems = check_tensor_file(manifest, tensor_path, by_key)
-    ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
-    return tensor_path
+    return resolve_tensor_file(manifest, manifest_path), by_key
 
 
 def validate_checkpoint(

@@ -33,8 +33,7 @@ from .options import S3Options, describe_validation_error
 from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX
-from .tensor_file import TensorFileReader
-from .validate import check_files, unsealed_warning
+from .validate import open_checked, unsealed_warning
 from .write import write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
@@ -177,25 +176,41 @@ class ManifestModelLoader(BaseModelLoader):
         raise UnsupportedModelError(f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported")
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
         checkpoint = options.checkpoint_dir or model_config.model
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
         manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config), remote=options.remote())
-        tensor_path = check_files(manifest, manifest_path, signing_key, encryption_key)
-        unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
-        if unsealed:
-            logger.warning("%s: %s", manifest_path, unsealed)
-        check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
-        clock.lap("check_files")
-
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
+        with open_checked(
+            manifest,
+            manifest_path,
+            signing_key,
+            encryption_key,
+            device=str(target_device),
+            num_readers=options.num_readers,
+        ) as reader:
+            unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
+            if unsealed:
+                logger.warning("%s: %s", manifest_path, unsealed)
+            check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
+            clock.lap("check_files")
+            model, summary = self._restore_and_replay(
+                vllm_config, model_config, prefix, manifest, reader, target_device, options, clock
+            )
+        summary["encrypted"] = encryption_key is not None
+        setattr(model, _REPORT_ATTR, summary)
+        _log_load(manifest_path, summary)
+        return model.eval()
+
+    def _restore_and_replay(self, vllm_config, model_config, prefix, manifest, reader, target_device, options, clock):
+        """Build the model, check it against the manifest, then read, restore and replay; returns it and its report."""
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
         with set_default_torch_dtype(model_config.dtype):
             with target_device:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
@@ -211,15 +226,7 @@ class ManifestModelLoader(BaseModelLoader):
                 overlap_raw_steps=overlap["raw_steps"],
                 overlap_restorers=overlap["restorers"],
             )
-            with (
-                TensorFileReader(
-                    tensor_path,
-                    device=str(target_device),
-                    num_readers=options.num_readers,
-                    encryption_key=encryption_key,
-                ) as reader,
-                terminal_progress("loading", enabled=options.progress and _first_rank()) as progress,
-            ):
+            with terminal_progress("loading", enabled=options.progress and _first_rank()) as progress:
                 nbytes = restore_tensors(
                     model,
                     manifest,
@@ -228,24 +235,20 @@ class ManifestModelLoader(BaseModelLoader):
                     on_layer=replayer.layer_ready,
                     progress=progress,
                 )
-                num_readers = reader.num_readers
+            reader.close()  # replay needs no file; closing again on the way out is harmless
             overlapped = replayer.step_seconds
             clock.lap("read_tensors")
             report = replayer.finish()
             clock.lap("replay")
-        summary = {
+        return model, {
             **report.to_dict(),
             "bytes_read": nbytes,
             "verify_hashes": options.verify_hashes,
-            "encrypted": encryption_key is not None,
-            "num_readers": num_readers,
+            "num_readers": reader.num_readers,
             "overlap_steps": overlap,
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
         }
-        setattr(model, _REPORT_ATTR, summary)
-        _log_load(manifest_path, summary)
-        return model.eval()
 
 
 class CaptureModelLoader(DefaultModelLoader):

@@ -14,7 +14,7 @@ from helpers.synthetic import FINGERPRINT, write_synthetic_checkpoint
 
 from tensorizer_manifest import errors
 from tensorizer_manifest.checkpoint import load_manifest
-from tensorizer_manifest.validate import check_engine_settings, check_files, validate_checkpoint
+from tensorizer_manifest.validate import check_engine_settings, check_files, open_checked, validate_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,21 @@ def test_validate_refuses(pristine, tmp_path, case):
     assert any(re.search(case.gist, str(p)) for p in report.problems if p.kind.__name__ == case.error), report.problems
 
 
+def _open_and_close(manifest, path):
+    with open_checked(manifest, path):
+        pass
+
+
+@pytest.mark.parametrize("checks", [check_files, _open_and_close], ids=["check_files", "open_checked"])
 @pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c.scope == "offline"], ids=str)
-def test_loader_checks_refuse_before_reading_weights_or_hashes_catch_it(pristine, tmp_path, case):
-    """What the vLLM loader runs before building the model; data damage is caught by hashes while reading."""
+def test_loader_checks_refuse_before_reading_weights_or_hashes_catch_it(pristine, tmp_path, case, checks):
+    """What the vLLM loader runs before building the model (``open_checked``; ``check_files`` is the same checks
+    without the open file); data damage is caught by hashes while reading."""
     d = _damaged(pristine, tmp_path, case)
     expected = getattr(errors, case.error)
     with pytest.raises(errors.TensorizerManifestError) as info:
         manifest, path = load_manifest(d)
-        check_files(manifest, path)
+        checks(manifest, path)
         report = validate_checkpoint(d)  # the content hashes, which the loader checks as it reads
         report.raise_for_problems()
     assert isinstance(info.value, expected), info.value
@@ -568,3 +575,43 @@ def test_the_encryption_key_never_shows(encrypted, key_files):
     from tensorizer_manifest.checkpoint import read_encryption_key
 
     assert secret not in repr(read_encryption_key(good))
+
+
+def _count_tensorizer_opens(monkeypatch) -> list[str]:
+    import tensorizer
+
+    opened: list[str] = []
+    original = tensorizer.TensorDeserializer.__init__
+
+    def counting(self, source, *args, **kwargs):
+        opened.append(str(source))
+        original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(tensorizer.TensorDeserializer, "__init__", counting)
+    return opened
+
+
+def test_open_checked_parses_the_tensor_file_header_once(pristine, monkeypatch):
+    from tensorizer_manifest.tensor_file import read_index
+
+    manifest, path = load_manifest(pristine)
+    expected_index = read_index(next(pristine.glob("*.tensors")))
+    opened = _count_tensorizer_opens(monkeypatch)
+    with open_checked(manifest, path) as reader:
+        assert len(opened) == 1, opened  # check_files alone opens it once more, to read the index
+        assert reader.index() == expected_index
+        tensors = dict(reader.stream())
+    assert set(tensors) == {t.key for m in manifest.modules for t in m.tensors if t.key and not t.alias_of}
+    opened.clear()
+    check_files(manifest, path)
+    assert len(opened) == 1
+
+
+def test_open_checked_refuses_a_damaged_header_before_tensorizer_parses_it(pristine, tmp_path, monkeypatch):
+    case = next(c for c in BAD_INPUTS if c.name == "tensor-header-flipped")
+    manifest, path = load_manifest(_damaged(pristine, tmp_path, case))
+    opened = _count_tensorizer_opens(monkeypatch)
+    with pytest.raises(errors.IntegrityError, match="checked before tensorizer reads it"):
+        with open_checked(manifest, path):
+            pytest.fail("a damaged file was opened")
+    assert opened == []
