@@ -19,12 +19,8 @@ Paths, each measured in a fresh process with the engine in it (``VLLM_ENABLE_V1_
 
 For each: the whole ``LLM()``, ``load_model`` and its split, and peak RSS. Paths alternate within a
 round (so each pair meets the same machine), and ratios are taken per round, then summarised as
-median, min and max. Before each round the free memory is touched once and freed (``prime_memory``;
-``--no-prime`` to skip): on a virtual machine whose host backs guest memory on its first touch, as
-these benchmark machines do, a page the guest has never used costs many times a used one, and which
-loader happens to get such pages would otherwise decide the figures. Machine references, measured in
-the same run: reading the large tensor file into fresh memory with one and with two threads, into
-touched memory, and blake3 on one core.
+median, min and max. Machine references, measured in the same run: reading the large tensor file into
+fresh memory with one and with two threads, into touched memory, and blake3 on one core.
 Saving is measured too (time and peak RSS of ``save_checkpoint``, and the peak per phase: vLLM's own load,
 then the capture and the write; run one with ``bench_load.py child save MODEL_DIR OUT_DIR``, with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Figures, never assertions.
@@ -270,25 +266,6 @@ def load(path: str, model_dir: str, extra: str) -> dict:
 # --- machine references (parent) -----------------------------------------------------------------
 
 
-def prime_memory(reserve_gib: float = 2.0) -> dict:
-    """Touch all free memory but ``reserve_gib`` at once, then free it; returns how much and how fast.
-
-    The page cache (the warm model files) is left alone: only ``MemFree`` is taken. On a host that
-    backs guest memory lazily, the first priming shows the first-touch price (seconds per GiB); later
-    ones run at the speed of zeroing pages.
-    """
-    import torch
-
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    free = int(meminfo["MemFree"].split()[0]) * 1024
-    chunks = max(0, int((free - reserve_gib * (1 << 30)) // (1 << 30)))
-    start = time.perf_counter()
-    held = [torch.ones(1 << 30, dtype=torch.uint8) for _ in range(chunks)]
-    seconds = time.perf_counter() - start
-    del held
-    return {"gib": chunks, "seconds": round(seconds, 3), "s_per_gib": round(seconds / chunks, 3) if chunks else None}
-
-
 def references(tensor_file: Path, rounds: int) -> dict[str, list[float]]:
     import blake3
     import torch
@@ -451,7 +428,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "load.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "load.png")
     parser.add_argument("--replot", action="store_true", help="only draw --plot again from the results in --out")
-    parser.add_argument("--no-prime", action="store_true", help="do not touch free memory before each round")
     args = parser.parse_args()
     if args.replot:
         saved = json.loads(args.out.read_text())
@@ -468,15 +444,12 @@ def main() -> None:
         "amx": bool(torch.cpu._is_amx_tile_supported()),
     }
     print(f"machine: {machine}")
-    summaries, refs, primed = [], {}, []
+    summaries, refs = [], {}
     for size in args.sizes.split(","):
         dirs = prepare(args.work, size)
         paths = [p for p in args.paths.split(",") if p]
         runs = []
         for round_ in range(args.rounds):
-            if not args.no_prime:
-                primed.append(prime_memory())
-                print(f"  primed {primed[-1]['gib']} GiB of free memory in {primed[-1]['seconds']} s")
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
                 target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
                           "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"],
@@ -493,8 +466,6 @@ def main() -> None:
         print_summary(summary)
         summaries.append(summary)
         if size == "large":
-            if not args.no_prime:
-                primed.append(prime_memory())
             tensor_file = next(Path(dirs["mixed"]).glob("*.tensors"))
             raw = references(tensor_file, args.rounds)
             refs = {k: v for k, v in raw.items() if k != "bytes"}
@@ -502,8 +473,7 @@ def main() -> None:
             for name, values in refs.items():
                 print(f"      {name:<36} {fmt(spread(values))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine, "sizes": summaries, "references": refs, "primed_memory": primed}
-    args.out.write_text(json.dumps(results, indent=1))
+    args.out.write_text(json.dumps({"machine": machine, "sizes": summaries, "references": refs}, indent=1))
     print(f"results: {args.out}")
     plot(summaries, refs, args.plot)
 
