@@ -20,7 +20,9 @@ Paths, each measured in a fresh process with the engine in it (``VLLM_ENABLE_V1_
 For each: the whole ``LLM()``, ``load_model`` and its split, and peak RSS. Paths alternate within a
 round (so each pair meets the same machine), and ratios are taken per round, then summarised as
 median, min and max. Machine references, measured in the same run: reading the large tensor file into
-fresh memory with one and with two threads, into touched memory, and blake3 on one core.
+fresh memory with one and with two threads, into touched memory, and blake3 on one core; and in every
+round, beside the paths, the processed tensor file read into fresh memory with two threads in a process
+of its own (``read-reference``), the base of the "read + hash + restore" ratio, paired round by round.
 Saving is measured too (time and peak RSS of ``save_checkpoint``, and the peak per phase: vLLM's own load,
 then the capture and the write; run one with ``bench_load.py child save MODEL_DIR OUT_DIR``, with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Figures, never assertions.
@@ -53,6 +55,9 @@ SIZES = {
 PATHS = ("default", "manifest-mixed", "default-fallback", "manifest-processed", "tensorizer")
 #: Not run unless asked for (``--paths``): the processed load with content hashes off.
 EXTRA_PATHS = ("manifest-processed-nohash", "manifest-mixed-overlap")
+#: Run in every round beside the paths: the processed tensor file read into fresh memory with 2 threads,
+#: a fresh process, so that read + hash + restore is compared with a read made on the same machine state.
+READ_REFERENCE = "read-reference"
 ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=1, seed=0)
 
 
@@ -214,6 +219,12 @@ def child(argv: list[str]) -> dict:
         except Exception:  # vLLM then downloads extra artifacts from the hub, which fails offline
             pass
         return {}
+    if mode == READ_REFERENCE:  # the processed tensor file read into fresh memory, in a process of its own
+        import torch  # noqa: F401  (imported before the clock starts)
+
+        start = time.perf_counter()
+        read_fresh(Path(argv[1]), 2)
+        return {"path": READ_REFERENCE, "seconds": time.perf_counter() - start}
     return load(mode, argv[1], argv[2] if len(argv) > 2 else "")
 
 
@@ -266,27 +277,32 @@ def load(path: str, model_dir: str, extra: str) -> dict:
 # --- machine references (parent) -----------------------------------------------------------------
 
 
+def read_fresh(tensor_file: Path, threads: int) -> None:
+    """Read the whole file into one freshly allocated buffer, ``threads`` contiguous parts at once."""
+    import torch
+
+    size = tensor_file.stat().st_size
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    step = -(-size // threads)
+
+    def part(i: int) -> None:
+        with open(tensor_file, "rb", buffering=0) as f:
+            f.seek(i * step)
+            f.readinto(view[i * step : min(size, (i + 1) * step)])
+
+    workers = [threading.Thread(target=part, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
 def references(tensor_file: Path, rounds: int) -> dict[str, list[float]]:
     import blake3
     import torch
 
     size = tensor_file.stat().st_size
-
-    def read_fresh(threads: int) -> None:
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        step = -(-size // threads)
-
-        def part(i: int) -> None:
-            with open(tensor_file, "rb", buffering=0) as f:
-                f.seek(i * step)
-                f.readinto(view[i * step : min(size, (i + 1) * step)])
-
-        workers = [threading.Thread(target=part, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
 
     touched = torch.ones(size, dtype=torch.uint8)
     touched_view = memoryview(touched.numpy())
@@ -297,8 +313,8 @@ def references(tensor_file: Path, rounds: int) -> dict[str, list[float]]:
 
     data = tensor_file.read_bytes()
     cases = {
-        "read into fresh memory, 1 thread": lambda: read_fresh(1),
-        "read into fresh memory, 2 threads": lambda: read_fresh(2),
+        "read into fresh memory, 1 thread": lambda: read_fresh(tensor_file, 1),
+        "read into fresh memory, 2 threads": lambda: read_fresh(tensor_file, 2),
         "read into touched memory, 1 thread": read_touched,
         "blake3, 1 thread": lambda: blake3.blake3(data, max_threads=1).digest(),
     }
@@ -326,6 +342,7 @@ def summarise(size: str, runs: list[dict]) -> dict:
     by_path: dict[str, list[dict]] = {}
     for run in runs:
         by_path.setdefault(run["path"], []).append(run)
+    reference = [r["seconds"] for r in by_path.pop(READ_REFERENCE, [])]
     table: dict = {}
     for path, rs in by_path.items():
         row = {
@@ -363,12 +380,23 @@ def summarise(size: str, runs: list[dict]) -> dict:
                     for a, b in zip(by_path[ours][:rounds], by_path[base][:rounds], strict=True)
                 ]
                 ratios[f"{ours} / {base}: {metric}"] = spread([a / b for a, b in pairs])
+    if reference:
+        table[READ_REFERENCE] = {"seconds": spread(reference)}
+        for ours in ("manifest-processed", "manifest-processed-nohash"):
+            if ours in by_path:  # read + hash + restore against the read of the same round
+                reads = [r["report"]["seconds"]["read_tensors"] for r in by_path[ours]]
+                ratios[f"{ours} read_tensors / 2-thread read"] = spread(
+                    [a / b for a, b in zip(reads, reference, strict=True)]
+                )
     return {"size": size, "paths": table, "ratios": ratios}
 
 
 def print_summary(summary: dict) -> None:
     print(f"\n== {summary['size']} ==")
     for path, row in summary["paths"].items():
+        if path == READ_REFERENCE:
+            print(f"  {path:<20} 2 threads into fresh memory {fmt(row['seconds'])}")
+            continue
         failed = f"  FAILED x{row['failed']}" if row["failed"] else ""
         print(f"  {path:<20} LLM() {fmt(row['llm_seconds'])}  load_model {fmt(row['load_model'])}  "
               f"peak RSS {fmt(row['peak_rss_mb'], 'MB')}{failed}")  # fmt: skip
@@ -428,6 +456,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "load.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "load.png")
     parser.add_argument("--replot", action="store_true", help="only draw --plot again from the results in --out")
+    parser.add_argument("--no-read-reference", action="store_true", help="no paired 2-thread read in each round")
     args = parser.parse_args()
     if args.replot:
         saved = json.loads(args.out.read_text())
@@ -447,10 +476,14 @@ def main() -> None:
     summaries, refs = [], {}
     for size in args.sizes.split(","):
         dirs = prepare(args.work, size)
-        paths = [p for p in args.paths.split(",") if p]
+        paths = [p for p in args.paths.split(",") if p] + ([] if args.no_read_reference else [READ_REFERENCE])
         runs = []
+        tensor_file = next(Path(dirs["processed"]).glob("*.tensors"))
         for round_ in range(args.rounds):
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
+                if path == READ_REFERENCE:
+                    runs.append(run_child(READ_REFERENCE, str(tensor_file)))
+                    continue
                 target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
                           "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"],
                           "manifest-processed-nohash": dirs["processed"],
