@@ -615,3 +615,19 @@ def test_open_checked_refuses_a_damaged_header_before_tensorizer_parses_it(prist
         with open_checked(manifest, path):
             pytest.fail("a damaged file was opened")
     assert opened == []
+
+
+def test_an_old_unsealed_manifest_that_hides_an_encrypted_tensor_file_is_refused_at_open(encrypted, monkeypatch):
+    """Without a prefix or seal (0.2.0 and older) only tensorizer's open finds the file encrypted: an IntegrityError,
+    not a request for a key the manifest never mentions."""
+    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
+    directory = encrypted[0]
+    path = next(directory.glob("*.manifest.json"))
+    doc = json.loads(path.read_text())
+    doc["seal"] = None
+    doc["tensor_file"].update(encryption="none", prefix_size=None, prefix_hash=None, head_hash=None)
+    path.write_text(json.dumps(doc))
+    manifest, manifest_path = load_manifest(directory)
+    with pytest.raises(errors.IntegrityError, match="encrypted, its manifest says it is not"):
+        with open_checked(manifest, manifest_path):
+            pytest.fail("an encrypted file was opened as a plain one")
