@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -38,6 +40,23 @@ def test_round_trip_keeps_dtypes_and_bytes(tensor_path):
             got = reader.read(key)
             assert got.dtype == tensor.dtype and torch.equal(got, tensor)
             assert hash_tensor(got) == hash_tensor(tensor)
+
+
+def _live_tensors_at(pointers: set[int]) -> list[torch.Tensor]:
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() and o.data_ptr() in pointers]
+
+
+@pytest.mark.parametrize("how", ["stream", "read"])
+def test_a_tensor_handed_out_lives_only_as_long_as_the_caller_holds_it(tensor_path, how):
+    # vLLM's post-load step replaces a raw layer's weights: the reader must not keep the old ones alive.
+    with TensorFileReader(tensor_path, num_readers=2) as reader:
+        if how == "stream":
+            pointers = {tensor.data_ptr() for _, tensor in reader.stream()}
+        else:
+            pointers = {reader.read(key).data_ptr() for key in sorted(TENSORS)}
+        assert len(pointers) == len(TENSORS)
+        assert _live_tensors_at(pointers) == []
 
 
 def test_non_contiguous_tensors_are_written_contiguous(tmp_path):
