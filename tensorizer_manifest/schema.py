@@ -261,10 +261,16 @@ class Manifest(_Struct, kw_only=True):
 
 def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
     """One hash over every record's full name and form (also of records that store nothing)."""
-    lines = [
-        repr((name, r.kind, r.dtype, r.shape, r.stride, r.storage_offset, r.nbytes, r.key, r.alias_of, r.hash))
-        for name, r in ordered
-    ]
+    return digest_of_lines([digest_line(name, r) for name, r in ordered])
+
+
+def digest_line(name: str, r: TensorRecord) -> str:
+    """One record's line of the digest (part of the format: old manifests' digests must keep matching)."""
+    return repr((name, r.kind, r.dtype, r.shape, r.stride, r.storage_offset, r.nbytes, r.key, r.alias_of, r.hash))
+
+
+def digest_of_lines(lines: list[str]) -> str:
+    """The digest of records already turned into ``digest_line``s, in manifest order."""
     text = "\n".join(lines) + "\n" if lines else ""
     return "blake3:" + blake3.blake3(text.encode()).hexdigest()
 

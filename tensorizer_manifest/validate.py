@@ -57,7 +57,8 @@ from .schema import (
     Manifest,
     SigningKey,
     TensorRecord,
-    digest_records,
+    digest_line,
+    digest_of_lines,
     full_name,
     seal_hash,
 )
@@ -288,6 +289,7 @@ def check_manifest(
     by_key: dict[str, TensorRecord] = {}
     paths: set[str] = set()
     known = known_replays()
+    digest_lines: list[str] = []  # the digest is taken in this same pass: one full name per record
     for module in manifest.modules:
         if module.path in paths:
             problem(ManifestError, f"module {module.path!r} is recorded twice")
@@ -295,6 +297,7 @@ def check_manifest(
         _check_module_replay(module, known, problem)
         for record in module.tensors:
             name = full_name(module.path, record.name)
+            digest_lines.append(digest_line(name, record))
             if name in records_by_name:
                 problem(ManifestError, f"tensor {name!r} is recorded twice")
             bad = _check_record(record)
@@ -309,7 +312,7 @@ def check_manifest(
             elif record.nbytes:
                 problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
             records_by_name.setdefault(name, record)
-    if digest_records(manifest.ordered_records()) != manifest.tensor_file.digest:
+    if digest_of_lines(digest_lines) != manifest.tensor_file.digest:
         problem(
             IntegrityError,
             "the tensor records do not match the digest bound to the tensor file: the manifest was edited "
