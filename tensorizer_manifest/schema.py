@@ -404,32 +404,44 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
-    """Decode and validate a manifest; every failure is a ``ManifestError`` naming its location."""
+    """Decode and validate a manifest; every failure is a ``ManifestError`` naming its location.
+
+    A manifest of a newer format is refused as such (``ManifestVersionError``),
+    not judged by this version's fields: its ``format_version`` is read alone
+    when the full decode fails, and checked when it succeeds (reading it first
+    would parse the whole document twice: 2 us a module, a fifth of the decode).
+    """
     if not data or data.isspace():
         raise ManifestError(f"{source}: the manifest is empty; re-save the checkpoint")
     try:
-        version = _header_decoder.decode(data).format_version
-    except msgspec.ValidationError:  # not an object: the full decode below says what it is
-        version = None
+        manifest = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        _refuse_a_newer_format(_format_version_of(data), source)
+        raise ManifestError(
+            f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
+        ) from None
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
     except RecursionError:
         raise ManifestError(f"{source}: JSON nested too deeply to be a manifest") from None
+    _refuse_a_newer_format(manifest.format_version, source)
+    return manifest
+
+
+def _format_version_of(data: bytes) -> object:
+    """The document's ``format_version`` alone, None where it has none or is not a JSON object."""
+    try:
+        return _header_decoder.decode(data).format_version
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _refuse_a_newer_format(version: object, source: str) -> None:
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise ManifestVersionError(
             f"{source}: manifest format version {version} is newer than the version "
             f"{FORMAT_VERSION} this tensorizer-manifest reads; upgrade tensorizer-manifest"
         )
-    try:
-        return _decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise ManifestError(
-            f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
-        ) from None
-    except msgspec.DecodeError as exc:  # e.g. bad UTF-8 in a part the header read skipped
-        raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
-    except RecursionError:
-        raise ManifestError(f"{source}: JSON nested too deeply to be a manifest") from None
 
 
 def json_schema() -> dict:

@@ -46,6 +46,13 @@ def test_manifest_from_a_newer_format_is_refused_naming_both_versions():
         schema.decode_manifest(b'{"format_version": 7}')
 
 
+def test_a_newer_manifest_that_this_version_could_decode_is_refused_all_the_same():
+    doc = json.loads((V1 / "model.manifest.json").read_text())
+    doc["format_version"] = schema.FORMAT_VERSION + 1  # every field still one this version reads
+    with pytest.raises(ManifestVersionError, match=f"version {schema.FORMAT_VERSION + 1} is newer"):
+        schema.decode_manifest(json.dumps(doc).encode())
+
+
 @pytest.mark.parametrize(
     "data, gist",
     [
