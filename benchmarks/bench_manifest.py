@@ -10,11 +10,12 @@ Targets: a 100k-module manifest decoded and validated in under 100 ms; ``inspect
    module records shaped like a vLLM Llama (norms, qkv/o/gate_up/down projections with vLLM's
    Parameter classes and ``input_dim``/``output_dim`` attributes, attention layers with scale buffers,
    kernels and runtime state, raw and processed layers, a tied ``lm_head``), with the right digest and
-   tensor count, so that ``check_manifest`` finds nothing. For each size: ``encode_manifest``,
-   ``decode_manifest`` (from bytes), ``check_manifest`` (record-level checks and the digest), and
+   tensor count and a ``digest`` seal (as saved without keys), so that ``check_manifest`` finds nothing.
+   For each size: ``encode_manifest``, ``decode_manifest`` (from bytes), ``check_manifest`` (the seal, the
+   record-level checks and the digest), and
    decode + check, as the loader and ``validate`` do them; then, to show where decode and check spend
    their time, the untyped ``msgspec.json.decode`` that ``decode_manifest`` does first (to read
-   ``format_version``), the typed decode alone, and ``digest_records`` alone.
+   ``format_version``), the typed decode alone, ``digest_records`` alone and ``check_seal`` alone.
 2. ``tensorizer-manifest inspect DIR --json`` as a fresh process on the smallest and the largest
    manifest, next to a bare ``python -c pass`` (the floor no CLI can beat).
 
@@ -54,8 +55,9 @@ from tensorizer_manifest.schema import (  # noqa: E402
     decode_manifest,
     digest_records,
     encode_manifest,
+    seal_manifest,
 )
-from tensorizer_manifest.validate import check_manifest  # noqa: E402
+from tensorizer_manifest.validate import check_manifest, check_seal  # noqa: E402
 
 DECODE_TARGET_S, INSPECT_TARGET_S = 0.100, 0.300
 HIDDEN, INTER, QKV, VOCAB = 4096, 14336, 6144, 128256
@@ -136,6 +138,7 @@ def build_manifest(n_modules: int) -> Manifest:
         format_version=FORMAT_VERSION, producer="bench", fingerprint=FINGERPRINT, tensor_file=ref, modules=modules
     )
     ref.digest = digest_records(manifest.ordered_records())
+    manifest.seal = seal_manifest(manifest)  # every manifest saved since 0.3.0 has one, and loading checks it
     return manifest
 
 
@@ -168,6 +171,7 @@ def bench_phases(sizes: list[int], rounds: int) -> list[dict]:
             "  untyped json.decode (peek)": lambda d=data: msgspec.json.decode(d),
             "  typed Decoder(Manifest)": lambda d=data: typed.decode(d),
             "  digest_records": lambda m=manifest: digest_records(m.ordered_records()),
+            "  check_seal": lambda m=manifest: check_seal(m, None),
         }
         tensors = sum(len(m.tensors) for m in manifest.modules)
         cases.append({"modules": n, "tensors": tensors, "json_bytes": len(data), "phases": phases, "data": data})
