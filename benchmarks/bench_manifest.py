@@ -14,8 +14,9 @@ Targets: a 100k-module manifest decoded and validated in under 100 ms; ``inspect
    For each size: ``encode_manifest``, ``decode_manifest`` (from bytes), ``check_manifest`` (the seal, the
    record-level checks and the digest), and
    decode + check, as the loader and ``validate`` do them; then, to show where decode and check spend
-   their time, the untyped ``msgspec.json.decode`` that ``decode_manifest`` does first (to read
-   ``format_version``), the typed decode alone, ``digest_records`` alone and ``check_seal`` alone.
+   their time, the untyped ``msgspec.json.decode`` of the same bytes (labelled "peek": ``decode_manifest``
+   parsed the document that way first, to read ``format_version``, until it learned to read it alone only
+   when the full decode fails), the typed decode alone, ``digest_records`` alone and ``check_seal`` alone.
 2. ``tensorizer-manifest inspect DIR --json`` as a fresh process on the smallest and the largest
    manifest, next to a bare ``python -c pass`` (the floor no CLI can beat).
 
