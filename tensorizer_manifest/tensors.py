@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import importlib
 
-import blake3
 import torch
 
 from .errors import IntegrityError, ManifestError
-from .schema import ALLOWED_PARAM_MODULES, DTYPE_ITEMSIZE, PlainValue, TensorRecord, plain_value, qualified_class
+from .schema import (
+    ALLOWED_PARAM_MODULES,
+    DTYPE_ITEMSIZE,
+    PlainValue,
+    TensorRecord,
+    blake3_hex,
+    plain_value,
+    qualified_class,
+)
 
 #: Every dtype the format names that this torch has.
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)}
@@ -45,17 +52,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-#: Tensors at least this large are hashed with blake3's own threads: once the readers are done, the last
-#: hashes use every core instead of one (measured: reading and hashing 1.07 GB on 2 cores, 0.70 -> 0.53 s).
-_THREADED_HASH_BYTES = 8 << 20
-
-
 def hash_tensor(tensor: torch.Tensor) -> str:
     """blake3 of the tensor's bytes: fast (multi-GB/s), and already a vLLM dependency. The same digest
     whether blake3 uses one thread or several."""
-    data = tensor_bytes(tensor)
-    threads = blake3.blake3.AUTO if data.nbytes >= _THREADED_HASH_BYTES else 1
-    return "blake3:" + blake3.blake3(data, max_threads=threads).hexdigest()
+    return blake3_hex(tensor_bytes(tensor))
 
 
 def param_plain_attrs(tensor: torch.Tensor) -> dict[str, PlainValue]:
