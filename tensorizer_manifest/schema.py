@@ -276,7 +276,7 @@ def digest_of_lines(lines: list[str]) -> str:
 
 
 #: Inputs at least this large are hashed with blake3's own threads. Below it one thread is faster: the first
-#: threaded hash of a process starts blake3's thread pool (0.5 ms, measured inside vLLM's engine), which a
+#: threaded hash of a process starts blake3's thread pool (0.5 ms, measured in a fresh process), which a
 #: 70 KB manifest's seal would pay for nothing. Content hashes of large tensors use every core once the
 #: readers are done (measured: reading and hashing 1.07 GB on 2 cores, 0.70 -> 0.53 s).
 THREADED_HASH_BYTES = 8 << 20
