@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -48,6 +49,20 @@ def _live_tensors_at(pointers: set[int]) -> list[torch.Tensor]:
     return [t for t in live if t.numel() and t.data_ptr() in pointers]
 
 
+def _still_alive_after_a_moment(pointers: set[int], seconds: float = 2.0) -> int:
+    """How many tensors at ``pointers`` are alive once tensorizer's copy threads had time to return.
+
+    A copy thread holds the last tensor it read in its frame until its function
+    returns, a moment after the caller got it (on a busy machine, after the
+    caller's first look: seen in about 1 run in 6). A reference kept for the
+    reader's lifetime, as tensorizer's cache kept every one, never goes away.
+    """
+    deadline = time.monotonic() + seconds
+    while (alive := len(_live_tensors_at(pointers))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return alive
+
+
 @pytest.mark.parametrize("how", ["stream", "read"])
 def test_a_tensor_handed_out_lives_only_as_long_as_the_caller_holds_it(tensor_path, how):
     # vLLM's post-load step replaces a raw layer's weights: the reader must not keep the old ones alive.
@@ -57,7 +72,7 @@ def test_a_tensor_handed_out_lives_only_as_long_as_the_caller_holds_it(tensor_pa
         else:
             pointers = {reader.read(key).data_ptr() for key in sorted(TENSORS)}
         assert len(pointers) == len(TENSORS)
-        assert _live_tensors_at(pointers) == []
+        assert _still_alive_after_a_moment(pointers) == 0
 
 
 def test_non_contiguous_tensors_are_written_contiguous(tmp_path):
