@@ -1,6 +1,7 @@
 """Run ``verify-kernels`` on every tiny kind whose layers a CPU restorer replays; keep the records.
 
-Usage: python scripts/verify_cpu_kernels.py [--out tensorizer_manifest/verified] [--work-dir DIR]
+    .venv/bin/python scripts/verify_cpu_kernels.py [--out tensorizer_manifest/verified] [--work-dir DIR]
+
 Writes one file per kind of CPU (``cpu-avx512-amx.json``...): the package's
 verified set for that machine kind, which ``tensorizer-manifest kernels`` shows.
 Each kind runs in its own process (one vLLM engine set per process).
@@ -19,10 +20,16 @@ KINDS = ["gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe", "kv-fp8-calibrated", "kv-
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("tensorizer_manifest/verified"))
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.mkdtemp(prefix="tm-verify-cpu-")))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--out", type=Path, default=Path("tensorizer_manifest/verified"), help="where the records go (%(default)s)"
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="models and engines' work (default: a new temporary directory)"
+    )
     args = parser.parse_args()
+    if args.work_dir is None:  # made here, not as the default: --help must not leave a directory behind
+        args.work_dir = Path(tempfile.mkdtemp(prefix="tm-verify-cpu-"))
 
     from tensorizer_manifest import _vllm_compat
     from tensorizer_manifest.tiny import build_tiny_model, engine_args
