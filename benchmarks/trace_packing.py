@@ -14,6 +14,7 @@ Figures, never assertions.
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import sys
@@ -21,11 +22,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_load  # noqa: E402  (standard library only at its top: --help stays fast)
+
+#: bench_load's paths that load a model directory alone (``tensorizer`` also needs its native file).
+TRACEABLE = tuple(p for p in (*bench_load.PATHS, *bench_load.EXTRA_PATHS) if p != "tensorizer")
 
 
 def main() -> None:
-    path, model_dir = sys.argv[1], sys.argv[2]
-    import bench_load
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "path", choices=TRACEABLE, metavar="PATH", help=f"the bench_load.py path to load with: {', '.join(TRACEABLE)}"
+    )
+    parser.add_argument(
+        "model_dir", type=Path, metavar="DIR", help="the model or checkpoint directory bench_load.py built"
+    )
+    args = parser.parse_args()
     from vllm import _custom_ops as ops
 
     calls: list[dict] = []
@@ -47,10 +58,10 @@ def main() -> None:
         return handler
 
     ops.create_onednn_mm = traced  # vLLM calls it through the module: every packing passes here
-    result = bench_load.load(path, model_dir, "")
+    result = bench_load.load(args.path, str(args.model_dir), "")
     layers = [c for c in calls if max(c["shape"]) < 32000]  # the raw linears; the vocab-sized ones apart
     summary = {
-        "path": path,
+        "path": args.path,
         "load_model": result["seconds"].get("load_model"),
         "tokens": result.get("tokens"),
         "error": result.get("error"),
