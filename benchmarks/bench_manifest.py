@@ -47,8 +47,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import blake3  # noqa: E402
 import msgspec  # noqa: E402
-from helpers.synthetic import FINGERPRINT  # noqa: E402
 
+# helpers.synthetic and tensorizer_manifest.validate bring torch (seconds): imported where used, so --help is fast.
 from tensorizer_manifest.schema import (  # noqa: E402
     FORMAT_VERSION,
     KernelRecord,
@@ -62,7 +62,6 @@ from tensorizer_manifest.schema import (  # noqa: E402
     encode_manifest,
     seal_manifest,
 )
-from tensorizer_manifest.validate import check_manifest, check_seal  # noqa: E402
 
 DECODE_TARGET_S, INSPECT_TARGET_S = 0.100, 0.300
 HIDDEN, INTER, QKV, VOCAB = 4096, 14336, 6144, 128256
@@ -118,6 +117,8 @@ def attention(path: str) -> ModuleRecord:
 
 def build_manifest(n_modules: int) -> Manifest:
     """``n_modules`` (>= 3) records: embedding, decoder layers of 7 modules (every 8th raw), norm, tied lm_head."""
+    from helpers.synthetic import FINGERPRINT
+
     embed = "model.embed_tokens"
     weight = tensor(embed, "weight", [VOCAB, HIDDEN], VLLM_PARAM, {"input_dim": 1, "output_dim": 0})
     modules = [module(embed, "vocab_parallel_embedding.VocabParallelEmbedding", [weight])]
@@ -162,6 +163,8 @@ def stats(seconds: list[float], per: int = 1) -> dict:
 
 
 def bench_phases(sizes: list[int], rounds: int) -> list[dict]:
+    from tensorizer_manifest.validate import check_manifest, check_seal
+
     typed = msgspec.json.Decoder(Manifest)
     cases = []
     for n in sizes:
