@@ -1,5 +1,5 @@
 # The two commands README.md promises: `make demo` and `make test`.
-.PHONY: setup demo test test-quick lint format bench schema
+.PHONY: setup demo test test-quick test-e2e-quick lint format bench schema
 
 SOURCES = tensorizer_manifest tests scripts benchmarks
 
@@ -19,6 +19,10 @@ test: lint
 # The fast subset, for work in progress.
 test-quick: lint
 	.venv/bin/python -m pytest -q -m "not e2e"
+
+# A few kinds of the architecture matrix on real vLLM (one dense, one MoE, one long-context kind).
+test-e2e-quick: lint
+	.venv/bin/python -m pytest -q -m "quick"
 
 lint: setup
 	.venv/bin/ruff check $(SOURCES)

@@ -28,20 +28,21 @@ def generate_tokens(
     """
     from vllm import LLM, SamplingParams
 
-    started = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        load_format=load_format,
+    options: dict[str, Any] = dict(
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=1,
         seed=0,
         kv_cache_memory_bytes=64 << 20,
-        **({"worker_extension_cls": WORKER_EXTENSION} if report is not None else {}),
-        **({"model_loader_extra_config": loader_config} if loader_config else {}),
-        **engine,
     )
+    if report is not None:
+        options["worker_extension_cls"] = WORKER_EXTENSION
+    if loader_config:
+        options["model_loader_extra_config"] = loader_config
+    options.update(engine)  # a kind's own settings (another dtype, an fp8 KV cache) win
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), load_format=load_format, **options)
     startup = time.perf_counter() - started
     try:
         if report is not None:
@@ -67,7 +68,7 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console, progress: bool
 
     out_dir = work_dir / f"tiny-{kind}-tensorized"
     t0 = time.perf_counter()
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", max_model_len=128, engine_args=engine, progress=progress)
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", engine_args=engine, progress=progress)
     console.rule(f"3. saved with a manifest to {out_dir} in {time.perf_counter() - t0:.1f}s")
 
     manifest, manifest_path = load_manifest(out_dir)

@@ -44,7 +44,15 @@ class SaveOptions(S3Options):
     quantization: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The saving engine's context. By default a short one (SAVING_CONTEXT_LEN tokens, or the model's own "
+            "if shorter): the saving engine serves no request, and nothing saved depends on it, so the "
+            "checkpoint loads in an engine of any max_model_len."
+        ),
+    )
     kv_cache_memory_bytes: int = Field(64 << 20, ge=1 << 20, description="Saving needs almost no KV cache.")
     revision: str | None = None
     trust_remote_code: bool = False
@@ -121,13 +129,52 @@ def apply_cpu_gemm(mode: str) -> None:
         _vllm_compat.disable_onednn()
 
 
-def engine_kwargs(options: SaveOptions) -> dict[str, Any]:
+#: The saving engine's context when none is asked for. vLLM sizes the KV cache to hold one sequence of
+#: ``max_model_len`` tokens, and a model's own context (128k for Llama 3) would need gigabytes of it; the
+#: saving engine only loads and processes weights, which no context length changes
+#: (``docs/fingerprint-policy.md``). Short enough that 64 MiB of KV cache holds it for any model that fits.
+SAVING_CONTEXT_LEN = 32
+
+#: Config keys vLLM derives a model's context from (``derive_max_model_len_and_key``), smallest wins.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def saving_context_len(model_dir: Path) -> int:
+    """``SAVING_CONTEXT_LEN``, or the model's own context where that is shorter (vLLM refuses a longer one)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return SAVING_CONTEXT_LEN  # vLLM reads the config itself and says what is wrong with it
+    lengths = [SAVING_CONTEXT_LEN]
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section, dict):
+            lengths += [v for k in _CONTEXT_KEYS if isinstance(v := section.get(k), int) and v > 0]
+    return min(lengths)
+
+
+def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
+    """The saving engine's ``vllm.LLM`` keyword arguments for the model in ``model_dir``."""
+    max_model_len = options.max_model_len
+    if max_model_len is None and "max_model_len" not in options.engine_args:
+        max_model_len = saving_context_len(model_dir)
     kwargs: dict[str, Any] = dict(
         dtype=options.dtype,
         quantization=options.quantization,
         tensor_parallel_size=options.tensor_parallel_size,
         pipeline_parallel_size=options.pipeline_parallel_size,
-        max_model_len=options.max_model_len,
+        max_model_len=max_model_len,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         revision=options.revision,
         trust_remote_code=options.trust_remote_code,
@@ -180,7 +227,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
             model=str(src_dir),
             load_format=CAPTURE_LOAD_FORMAT,
             worker_extension_cls=WORKER_EXTENSION,
-            **engine_kwargs(opts),
+            **engine_kwargs(opts, src_dir),
         )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

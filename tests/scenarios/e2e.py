@@ -77,14 +77,8 @@ def main() -> None:
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
 
-    save_checkpoint(
-        model_dir,
-        out_dir,
-        dtype="bfloat16",
-        max_model_len=128,
-        portable=args.portable,
-        engine_args=engine_args(args.kind),
-    )
+    # No max_model_len: the saving engine's own short default, whatever the model's context (the loads run at 128).
+    save_checkpoint(model_dir, out_dir, dtype="bfloat16", portable=args.portable, engine_args=engine_args(args.kind))
 
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
