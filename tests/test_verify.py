@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import needs_wna16
 
 from tensorizer_manifest.verify import recording_post_load
 
@@ -39,6 +40,7 @@ def gptq_model(e2e_dir):
 
 
 @pytest.mark.e2e
+@needs_wna16
 def test_verify_kernels_passes_the_cpu_restorers_and_writes_records(gptq_model, tmp_path):
     from tensorizer_manifest.verification import read_records
 
@@ -57,6 +59,7 @@ def test_verify_kernels_passes_the_cpu_restorers_and_writes_records(gptq_model, 
 
 
 @pytest.mark.e2e
+@needs_wna16
 def test_verify_kernels_fails_a_restorer_that_transforms_a_tensor_again(gptq_model, tmp_path):
     from conftest import run_script
 
