@@ -92,6 +92,10 @@ def run_script(
     )
 
 
+#: A directory where each kind's plain e2e result is also written, for ``scripts/supported_models.py``.
+MATRIX_RESULTS_ENV = "TM_MATRIX_RESULTS"
+
+
 class Scenarios:
     """Lazily runs and caches e2e scenarios for the whole session."""
 
@@ -103,6 +107,9 @@ class Scenarios:
         key = ("e2e", kind, flags)
         if key not in self._cache:
             self._cache[key] = run_script("scenarios/e2e.py", kind, str(self.workdir), *flags, marker="E2E_RESULT")
+            if not flags and os.environ.get(MATRIX_RESULTS_ENV):  # scripts/supported_models.py collects these
+                out = Path(os.environ[MATRIX_RESULTS_ENV]) / f"{kind}.json"
+                out.write_text(json.dumps(self._cache[key]))
         return self._cache[key]
 
     def baseline(self, kind: str, mode: str) -> dict:

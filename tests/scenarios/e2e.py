@@ -54,7 +54,29 @@ def main() -> None:
     result: dict = {"kind": args.kind, "checkpoint": out_dir}
 
     captured: dict[str, dict] = {}
+    load_model_seconds: dict[str, float] = {}
     if not args.multiprocessing:
+        # Each engine's load_model, timed (one run each: a rough figure for docs/supported-models.md).
+        import time
+
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+        from tensorizer_manifest.vllm_integration import ManifestModelLoader
+
+        def timing(cls, label):
+            original_load = cls.load_model
+
+            def timed(self, *a, **k):
+                started = time.perf_counter()
+                try:
+                    return original_load(self, *a, **k)
+                finally:
+                    load_model_seconds.setdefault(label, time.perf_counter() - started)
+
+            cls.load_model = timed
+
+        timing(BaseModelLoader, "default")
+        timing(ManifestModelLoader, "manifest")
         # Keep the reference engine's processed tensors to compare bitwise after the manifest load.
         from vllm.model_executor.model_loader import base_loader
 
@@ -160,6 +182,17 @@ def main() -> None:
     from tensorizer_manifest.checkpoint import load_manifest
 
     manifest, _ = load_manifest(out_dir)
+    fp = manifest.fingerprint
+    result["fingerprint"] = {
+        "architectures": fp.architectures,
+        "quantization": fp.quantization,
+        "dtype": fp.dtype,
+        "kv_cache_dtype": fp.kv_cache_dtype,
+        "tensor_parallel_size": fp.tensor_parallel_size,
+        "pipeline_parallel_size": fp.pipeline_parallel_size,
+        "vllm_version": fp.vllm_version,
+        "cpu_features": fp.cpu_features,
+    }
     result["layers"] = {
         m.path: {"state": m.state, "replay": m.replay, "quant_method": m.quant_method, "form": m.form}
         for m in manifest.modules
@@ -204,6 +237,7 @@ def main() -> None:
                         recomputed.append(name)
                     else:
                         mismatches.append(f"{name}: values differ")
+        result["load_model_seconds"] = load_model_seconds
         result["processed_tensors_compared"] = compared
         result["processed_tensor_mismatches"] = mismatches
         result["recomputed_buffers_within_rounding"] = recomputed
