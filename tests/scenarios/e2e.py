@@ -143,13 +143,20 @@ def main() -> None:
 
         for cls in set(all_subclasses(QuantizeMethodBase)):
             patch(cls, "quant_method")
-        attn_fn = Attention.process_weights_after_loading
+        # Attention layers' own step (plain attention, and MLA's, which is not a subclass of Attention).
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-        def attn_counting(self, act_dtype):
-            counts[("attention", getattr(self, "_tm_path", "?"))] += 1
-            return attn_fn(self, act_dtype)
+        def patch_attention(cls):
+            fn = cls.__dict__["process_weights_after_loading"]
 
-        Attention.process_weights_after_loading = attn_counting
+            def attn_counting(self, act_dtype, __fn=fn):
+                counts[("attention", getattr(self, "_tm_path", "?"))] += 1
+                return __fn(self, act_dtype)
+
+            cls.process_weights_after_loading = attn_counting
+
+        for cls in (Attention, MLAAttention):
+            patch_attention(cls)
         # Tag every layer with its path when replay is set up (before any step runs, overlapped or not),
         # and keep every tensor once replay has finished.
         Replayer = replay_module.Replayer
