@@ -27,6 +27,7 @@ TinyKind = Literal[
     "llama",
     "qwen3-tied",
     "w8a8-int8",
+    "w8a8-int8-static",  # Llama, compressed-tensors int8 weights and static per-tensor int8 activations (calibrated)
     "qwen2-bias",
     "gptq-w4",  # Llama, GPTQ 4-bit symmetric (uint4b8), desc_act false
     "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
@@ -191,11 +192,13 @@ def _is_decoder_linear(name: str) -> bool:
     return len(parts) == 3 and parts[2] == "weight" and parts[1] in _DECODER_LINEARS
 
 
-def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
+def _quantize_w8a8(state: dict, input_scales: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
     """Per-channel symmetric int8 weights for every decoder linear layer.
 
     Returns the new state dict and the compressed-tensors quantization config
-    that vLLM reads (dynamic per-token int8 activations).
+    that vLLM reads: dynamic per-token int8 activations, or with ``input_scales``
+    (``{prefix}input_scale`` per linear, from ``_calibrate_input_scales``) static
+    per-tensor ones.
     """
     import torch
 
@@ -208,6 +211,10 @@ def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
             out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32)
         else:
             out[name] = tensor
+    activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    if input_scales is not None:
+        out.update(input_scales)
+        activations.update(strategy="tensor", dynamic=False)
     quant_config = {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
@@ -221,18 +228,47 @@ def _quantize_w8a8(state: dict) -> tuple[dict, dict]:
                     "strategy": "channel",
                     "dynamic": False,
                 },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "token",
-                    "dynamic": True,
-                },
+                "input_activations": activations,
             }
         },
         "ignore": ["lm_head"],
     }
     return out, quant_config
+
+
+def _calibrate_input_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
+    """Static per-tensor int8 activation scales: each decoder linear's largest input on the corpus / 127.
+
+    What llm-compressor's static minmax observer writes (``{prefix}input_scale``, ``[1]`` float32).
+    q/k/v (and gate/up) read the same input, so their scales are equal, as vLLM's fused layers need.
+    """
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    amax: dict[str, float] = {}
+
+    def observe(prefix: str):
+        def hook(_module, inputs):
+            amax[prefix] = max(amax.get(prefix, 0.0), inputs[0].float().abs().max().item())
+
+        return hook
+
+    handles = [
+        module.register_forward_pre_hook(observe(path + "."))
+        for path, module in model.named_modules()
+        if _is_decoder_linear(path + ".weight")
+    ]
+    try:
+        with torch.no_grad():
+            for text in _CORPUS + DEMO_PROMPTS:
+                model(**tokenizer(text, return_tensors="pt"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        prefix + "input_scale": torch.tensor([value / 127.0], dtype=torch.float32) for prefix, value in amax.items()
+    }
 
 
 def quantize_int4(
@@ -494,6 +530,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **
     quant_config = None
     if kind == "w8a8-int8":
         state, quant_config = _quantize_w8a8(state)
+    elif kind == "w8a8-int8-static":
+        state, quant_config = _quantize_w8a8(state, _calibrate_input_scales(model, out))
     elif kind == "gptq-w4":
         state, quant_config = _quantize_gptq(state, INT4_GROUP_SIZE)
     elif kind == "awq-w4":

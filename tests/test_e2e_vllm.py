@@ -60,15 +60,17 @@ def test_calibrated_kv_scales_come_back_and_are_never_recomputed(scenarios):
     assert result["manifest_tokens"] == result["reference_tokens"]
 
 
-def test_w8a8_int8_linear_layers_are_raw(scenarios):
-    """The CPU int8 kernel packs its weight into a oneDNN handle and drops it: nothing processed to save."""
-    layers = scenarios.e2e("w8a8-int8")["layers"]
+@pytest.mark.parametrize("kind", ["w8a8-int8", "w8a8-int8-static"])
+def test_w8a8_int8_linear_layers_are_raw(scenarios, kind):
+    """The CPU int8 kernel packs its weight into a oneDNN handle and drops it: nothing processed to save,
+    whether activations are quantized per token at run time or with calibrated static scales."""
+    layers = scenarios.e2e(kind)["layers"]
     linear = {
         p: layer for p, layer in layers.items() if p.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     }
     assert len(linear) == 8
     assert all(x["state"] == "raw" and x["replay"] == "post_load" for x in linear.values()), linear
-    counts = scenarios.e2e("w8a8-int8")["post_load_counts"]
+    counts = scenarios.e2e(kind)["post_load_counts"]
     assert sorted(counts) == sorted(f"quant_method:{p}" for p in linear)
 
 
