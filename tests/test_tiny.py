@@ -294,3 +294,27 @@ def test_w8a8_static_has_calibrated_input_scales_shared_by_fused_inputs(tmp_path
         )
         assert state[mlp + "gate_proj.input_scale"] == state[mlp + "up_proj.input_scale"]
         assert state[attn + "q_proj.input_scale"] != state[attn + "o_proj.input_scale"]
+
+
+def test_fp8_block_kind_is_block_scaled_fp8_within_a_step_of_the_original(tmp_path):
+    """The Qwen3-0.6B-FP8 layout: float8_e4m3fn weights, one float32 weight_scale_inv per 128 x 128 block."""
+    config, state = build(tmp_path, "fp8-block")
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    original = tiny.unquantized_state_dict("fp8-block")
+    assert_dense_tensors_kept(state, original)
+    for prefix in linear_prefixes(config):
+        weight, scale = state[prefix + "weight"], state[prefix + "weight_scale_inv"]
+        n, k = weight.shape
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert scale.shape == (n // 128, k // 128), prefix
+        deq = weight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        orig = original[prefix + "weight"].float()
+        # e4m3 has 3 mantissa bits: within 1/16 relative of each value, plus the block's smallest step
+        step = scale.repeat_interleave(128, 0).repeat_interleave(128, 1) * 2.0**-9
+        assert bool(((deq - orig).abs() <= orig.abs() / 16 + step).all()), prefix
+        assert (scale * tiny.FP8_E4M3_MAX).max() == pytest.approx(orig.abs().max().item(), rel=1e-6)
