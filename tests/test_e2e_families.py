@@ -110,3 +110,25 @@ def test_longrope_saved_at_a_short_context_answers_right_at_a_long_one_and_a_sho
                        marker="CONTEXT_RESULT")  # fmt: skip
     assert short["manifest_tokens"] == short["reference_tokens"]
     assert short["reference_tokens"] != result["reference_tokens"]  # the context changes this model's answers
+
+
+def test_an_architecture_vllm_does_not_know_is_vllms_own_error_unchanged(e2e_dir, tmp_path):
+    """Bad input stays bad input: what vLLM refuses (here an architecture it has no class for) reaches the
+    user as vLLM's own error, not wrapped in ours, and nothing is written."""
+    import shutil
+
+    from pydantic import ValidationError
+
+    from tensorizer_manifest.errors import TensorizerManifestError
+    from tensorizer_manifest.save import save_checkpoint
+    from tensorizer_manifest.tiny import build_tiny_model
+
+    source = tmp_path / "unknown-architecture"
+    shutil.copytree(build_tiny_model(e2e_dir / "tiny-llama", "llama"), source)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValidationError, match="NoSuchModelForCausalLM") as raised:
+        save_checkpoint(source, tmp_path / "out")
+    assert not isinstance(raised.value, TensorizerManifestError)
+    assert not (tmp_path / "out").exists()
