@@ -2,12 +2,17 @@
 
     .venv/bin/python benchmarks/bench_load.py                       # small, medium and large; 3 rounds
     .venv/bin/python benchmarks/bench_load.py --sizes large --rounds 5
+    .venv/bin/python benchmarks/bench_load.py --sizes 1b --out docs/benchmarks/load-1b.json \
+        --plot docs/benchmarks/load-1b.png                         # Llama-3.2-1B's shape (2.47 GB)
 
 Models are built here with random weights (no hub): ``small`` (the tiny Llama of the tests), ``medium``
-(about 270 MB) and ``large`` (about 1.07 GB, the Qwen3 of the performance issue: hidden 2048,
-intermediate 6144, 8 layers, 16 heads, 8 KV heads, vocab 32000, untied). Each is saved twice with a
-manifest: ``mixed`` as this CPU runs it (oneDNN packs linear weights, so those layers are raw) and
-``processed`` with vLLM's torch GEMM (``cpu_gemm="fallback"``: every layer processed, nothing to redo).
+(about 270 MB), ``large`` (about 1.07 GB, the Qwen3 of the performance issue: hidden 2048,
+intermediate 6144, 8 layers, 16 heads, 8 KV heads, vocab 32000, untied) and, only when asked for, ``1b``
+(Llama-3.2-1B's shape, 2.47 GB: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, vocab
+128256, tied, 128k context with llama3 rope scaling; ``tests/helpers/real_size.py``). Each is saved twice
+with a manifest, with no engine flag but the dtype (the saving engine's own short context): ``mixed`` as
+this CPU runs it (oneDNN packs linear weights, so those layers are raw) and ``processed`` with vLLM's
+torch GEMM (``cpu_gemm="fallback"``: every layer processed, nothing to redo).
 
 Paths, each measured in a fresh process with the engine in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
 
@@ -51,6 +56,7 @@ SIZES = {
                    num_key_value_heads=4, vocab_size=32000),
     "large": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=8, vocab_size=32000),
+    "1b": "llama-3.2-1b",  # tests/helpers/real_size.py: Llama-3.2-1B's shape, built by tiny.build_tiny_model
 }  # fmt: skip
 PATHS = ("default", "manifest-mixed", "default-fallback", "manifest-processed", "tensorizer")
 #: Not run unless asked for (``--paths``): the processed load with content hashes off.
@@ -71,6 +77,11 @@ def build_model(work: Path, size: str) -> Path:
     tiny = build_tiny_model(work / "tiny-llama", "llama")
     if SIZES[size] is None:
         return tiny
+    if SIZES[size] == "llama-3.2-1b":
+        sys.path.insert(0, str(ROOT / "tests"))  # for helpers
+        from helpers.real_size import build
+
+        return build(work / f"model-{size}")
     out = work / f"model-{size}"
     if (out / ".complete").exists():
         return out
@@ -207,7 +218,7 @@ def child(argv: list[str]) -> dict:
         capture.Recorder.__init__ = marked
         start = time.perf_counter()
         portable = os.environ.get("BENCH_SAVE_PORTABLE") == "1"
-        save_checkpoint(argv[1], argv[2], dtype="bfloat16", max_model_len=128, portable=portable)
+        save_checkpoint(argv[1], argv[2], dtype="bfloat16", portable=portable)  # the saving engine's own context
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
     if mode == "native":
@@ -407,6 +418,9 @@ def print_summary(summary: dict) -> None:
                 print(f"      {key:<28} {fmt(value)}")
     for name, value in summary["ratios"].items():
         print(f"  ratio {name:<52} {fmt(value, 'x')}")
+    for name, save in summary.get("save", {}).items():  # saved in this run (a checkpoint already there is reused)
+        phases = ", ".join(f"{phase} {peaks['rss']} MB" for phase, peaks in save["rss_by_phase_mb"].items())
+        print(f"  {name:<20} {save['seconds']:.1f} s, peak RSS {save['peak_rss_mb']:.0f} MB (by phase: {phases})")
 
 
 def plot(summaries: list[dict], refs: dict, path: Path) -> None:

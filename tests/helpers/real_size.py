@@ -1,0 +1,90 @@
+"""A model of real size: Llama-3.2-1B's shape with random weights (issue #17, item 6).
+
+Built by ``tiny.build_tiny_model`` as the ``llama3-128k`` family kind (128k context, llama3 rope
+scaling) at Llama-3.2-1B's sizes: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads
+(head_dim 64), vocab 128256, tied embeddings; 1.24 B parameters, 2.47 GB of bf16 safetensors. The
+tokenizer is the tiny one (its vocabulary is smaller than the model's; the model can still emit any
+id). Used by ``tests/scenarios/real_size.py`` and ``benchmarks/bench_load.py --sizes 1b``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+KIND = "llama3-128k"
+#: Llama-3.2-1B's sizes, as ``build_tiny_model`` overrides. The family sets the 128k context and the
+#: llama3 rope scaling itself (rope_theta 500000, factor 32, low 1, high 4, original 8192).
+LLAMA_3_2_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+#: The engine's dtype for it: the family runs float32 by default (10 GB of weights here); the real model is bf16.
+DTYPE = "bfloat16"
+
+
+@contextmanager
+def _tied_family(tied: bool) -> Iterator[None]:
+    """Within the block, the ``llama3-128k`` family keeps a ``tie_word_embeddings`` override.
+
+    ``tiny_families._llama3_long_context`` sets ``tie_word_embeddings=False`` after the overrides, so
+    the override cannot reach the config; this wraps the family's settings in this process only, and
+    does nothing once the family lets the override through (see ``build``).
+    """
+    from tensorizer_manifest import tiny_families
+
+    family = tiny_families.FAMILIES[KIND]
+
+    def settings(common: dict, moe: dict) -> dict:
+        return {**family.settings(common, moe), "tie_word_embeddings": tied}
+
+    tiny_families.FAMILIES[KIND] = dataclasses.replace(family, settings=settings)
+    try:
+        yield
+    finally:
+        tiny_families.FAMILIES[KIND] = family
+
+
+def build(out_dir: str | Path, **overrides) -> Path:
+    """The model directory (built once: an existing complete one is reused), checked against the shape."""
+    from tensorizer_manifest.tiny import _config, build_tiny_model
+
+    sizes = {**LLAMA_3_2_1B, **overrides}
+    tied = bool(sizes.get("tie_word_embeddings", False))
+    honoured = _config(KIND, sizes["vocab_size"], sizes).tie_word_embeddings == tied  # a config only, no weights
+    if honoured:
+        out = build_tiny_model(out_dir, KIND, **sizes)
+    else:
+        with _tied_family(tied):
+            out = build_tiny_model(out_dir, KIND, **sizes)
+    config = json.loads((Path(out) / "config.json").read_text())
+    wanted = {**sizes, "max_position_embeddings": 131072}
+    got = {k: config.get(k) for k in wanted}
+    assert got == wanted, f"{out}: config differs from the shape asked for: {got} != {wanted}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    assert {k: rope.get(k) for k in llama3} == llama3, rope
+    return Path(out)
+
+
+def weight_bytes(model_dir: str | Path) -> int:
+    """Bytes of tensor data in the directory's safetensors files (from their headers; nothing is read)."""
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(end - begin for key, v in header.items() if key != "__metadata__" for begin, end in
+                     [v["data_offsets"]])  # fmt: skip
+    return total

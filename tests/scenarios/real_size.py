@@ -1,0 +1,140 @@
+"""A model of real size end to end (Llama-3.2-1B's shape, 2.47 GB of bf16, 128k context); prints
+``REAL_SIZE_RESULT {json}`` on the last line.
+
+Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
+       python tests/scenarios/real_size.py save MODEL_DIR OUT_DIR   (the save alone, in a fresh process)
+
+Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
+beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
+``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 only), each measuring its own
+peak RSS (``ru_maxrss``): once for this model, once for the tests' tiny Llama (3.4 MB of weights: the
+baseline, everything a save costs but the weights); greedy tokens with vLLM's default loader on the
+safetensors and with ``load_format="tensorizer_manifest"`` on the checkpoint, in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+
+SAVE_MARK = "REAL_SIZE_SAVE "
+
+
+def save_alone(model_dir: str, out_dir: str) -> None:
+    """The save and nothing else; its peak RSS is this process's."""
+    from helpers.real_size import DTYPE
+
+    from tensorizer_manifest.save import save_checkpoint
+
+    start = time.perf_counter()
+    save_checkpoint(model_dir, out_dir, dtype=DTYPE)
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(SAVE_MARK + json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb}), flush=True)
+
+
+def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, "save", str(model_dir), str(out_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish_save(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=1800)
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(SAVE_MARK):
+            return json.loads(line[len(SAVE_MARK) :])
+    raise RuntimeError(f"the save printed no result (exit {proc.returncode}):\n{stderr[-4000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    laps: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def lap(name: str) -> None:
+        laps[name] = round(time.perf_counter() - started - sum(laps.values()), 2)
+
+    from helpers.real_size import DTYPE, build, weight_bytes
+
+    from tensorizer_manifest.tiny import build_tiny_model
+
+    # The baseline's save of the tiny Llama runs while the model is built: peak RSS does not depend on
+    # the CPU time it gets, and the build spends much of its time on one core, writing.
+    tiny = build_tiny_model(args.workdir / "tiny-llama", "llama")
+    baseline_out = args.workdir / "ckpt-real-size-baseline"
+    baseline_proc = start_save(tiny, baseline_out)
+    model_dir = build(args.workdir / "llama-3.2-1b-shaped")
+    lap("build")
+    baseline = finish_save(baseline_proc)
+    shutil.rmtree(baseline_out, ignore_errors=True)
+    lap("baseline_save")
+    model_bytes, tiny_bytes = weight_bytes(model_dir), weight_bytes(tiny)
+
+    # The save runs alone in its process (its peak RSS is the figure) while this one takes the reference
+    # tokens: neither figure depends on the CPU time each gets (the save's seconds here do: the benchmark
+    # times it alone, `bench_load.py --sizes 1b`).
+    out_dir = args.workdir / "ckpt-llama-3.2-1b-shaped"
+    save_proc = start_save(model_dir, out_dir)
+
+    from tensorizer_manifest.demo import generate_tokens
+
+    # The three prompts in one batch: 8 decoding steps instead of 24 (the same engine settings on both sides).
+    engine = dict(dtype=DTYPE, max_num_seqs=3)
+    reference, prompt_lengths, reference_start = generate_tokens(model_dir, "auto", args.max_tokens, **engine)
+    lap("reference")
+    save = finish_save(save_proc)
+    lap("save")
+    report: dict = {}
+    tokens, _, manifest_start = generate_tokens(
+        out_dir, "tensorizer_manifest", args.max_tokens, report=report, **engine
+    )
+    lap("manifest_load")
+    manifest = json.loads((out_dir / "model.manifest.json").read_text())
+    result = {
+        "model_dir": str(model_dir),
+        "checkpoint": str(out_dir),
+        "model_bytes": model_bytes,
+        "tiny_model_bytes": tiny_bytes,
+        "save": save,
+        "baseline_save": baseline,
+        "baseline_mb": baseline["peak_rss_mb"] - tiny_bytes / 2**20,
+        "reference_tokens": reference,
+        "manifest_tokens": tokens,
+        "prompt_lengths": prompt_lengths,
+        "engine_start_seconds": {"reference": reference_start, "manifest": manifest_start},
+        "load_seconds": report.get("seconds"),
+        "fingerprint_dtype": manifest["fingerprint"]["dtype"],
+        "layer_states": {m["path"]: m["state"] for m in manifest["modules"]},
+        "laps_seconds": laps,
+    }
+    print("REAL_SIZE_RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "save":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        save_alone(sys.argv[2], sys.argv[3])
+    else:
+        main()
+    sys.stdout.flush()
+    os._exit(0)
