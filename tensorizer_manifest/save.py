@@ -53,7 +53,14 @@ class SaveOptions(S3Options):
             "checkpoint loads in an engine of any max_model_len."
         ),
     )
-    kv_cache_memory_bytes: int = Field(64 << 20, ge=1 << 20, description="Saving needs almost no KV cache.")
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description=(
+            "The saving engine's KV cache. By default 64 MiB, or room for 256 tokens where a model's are larger "
+            "(vLLM's CPU cache blocks are 128 or 256 tokens): saving serves no request."
+        ),
+    )
     revision: str | None = None
     trust_remote_code: bool = False
     cpu_gemm: Literal["auto", "fallback"] = Field(
@@ -149,33 +156,60 @@ _CONTEXT_KEYS = (
 )
 
 
-def saving_context_len(model_dir: Path) -> int:
-    """``SAVING_CONTEXT_LEN``, or the model's own context where that is shorter (vLLM refuses a longer one)."""
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    """The model's config.json, its text part merged over it (multimodal configs); {} when unreadable, and
+    vLLM then says what is wrong with it."""
     import json
 
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return SAVING_CONTEXT_LEN  # vLLM reads the config itself and says what is wrong with it
-    lengths = [SAVING_CONTEXT_LEN]
-    for section in (config, config.get("text_config") or {}):
-        if isinstance(section, dict):
-            lengths += [v for k in _CONTEXT_KEYS if isinstance(v := section.get(k), int) and v > 0]
-    return min(lengths)
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def saving_context_len(config: dict[str, Any]) -> int:
+    """``SAVING_CONTEXT_LEN``, or the model's own context where that is shorter (vLLM refuses a longer one)."""
+    lengths = [v for k in _CONTEXT_KEYS if isinstance(v := config.get(k), int) and v > 0]
+    return min([SAVING_CONTEXT_LEN, *lengths])
+
+
+#: What the saving engine's KV cache holds at least: two blocks of vLLM's CPU cache (128 tokens, 256 for some
+#: backends), whatever the context, so that vLLM's check that one sequence fits passes for any model.
+_SAVING_KV_TOKENS = 256
+
+
+def saving_kv_cache_bytes(config: dict[str, Any]) -> int:
+    """64 MiB, or ``_SAVING_KV_TOKENS`` of the model's keys and values in float32 where that is more (a 405B
+    model's 126 layers take 1 MiB a token). A config without the sizes gets 64 MiB."""
+    fields = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    if not all(isinstance(config.get(k), int) and config[k] > 0 for k in fields):
+        return 64 << 20
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * heads * head_dim * 4
+    return max(64 << 20, per_token * _SAVING_KV_TOKENS)
 
 
 def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
     """The saving engine's ``vllm.LLM`` keyword arguments for the model in ``model_dir``."""
+    config = _model_config(model_dir)
     max_model_len = options.max_model_len
     if max_model_len is None and "max_model_len" not in options.engine_args:
-        max_model_len = saving_context_len(model_dir)
+        max_model_len = saving_context_len(config)
+    kv_cache_memory_bytes = options.kv_cache_memory_bytes
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = saving_kv_cache_bytes(config)
     kwargs: dict[str, Any] = dict(
         dtype=options.dtype,
         quantization=options.quantization,
         tensor_parallel_size=options.tensor_parallel_size,
         pipeline_parallel_size=options.pipeline_parallel_size,
         max_model_len=max_model_len,
-        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         revision=options.revision,
         trust_remote_code=options.trust_remote_code,
         enforce_eager=True,

@@ -137,3 +137,19 @@ def test_an_encryption_key_file_is_checked_before_an_engine_starts(tmp_path, mon
         encryption_key_file_path(str(short))
     options = SaveOptions.parse({"encryption_key_file": str(key), "progress": True})
     assert options.encryption_key_file == str(key) and options.progress
+
+
+def test_the_saving_kv_cache_holds_two_cache_blocks_of_any_model(tmp_path):
+    """vLLM's CPU cache blocks are 128 tokens (256 on some backends) and one sequence must fit: 64 MiB hold
+    256 tokens of an 8B model in float32, not of a 405B one (126 layers, 8 KV heads of 128: 1 MiB a token)."""
+    llama_8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    llama_405b = {"num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+                  "hidden_size": 16384}  # fmt: skip
+    assert engine_kwargs(SaveOptions.parse({}), _model_dir(tmp_path, llama_8b))["kv_cache_memory_bytes"] == 64 << 20
+    big = engine_kwargs(SaveOptions.parse({}), _model_dir(tmp_path, llama_405b))["kv_cache_memory_bytes"]
+    assert big == 126 * 2 * 8 * 128 * 4 * 256
+    asked = SaveOptions.parse({"kv_cache_memory_bytes": 32 << 20})
+    assert engine_kwargs(asked, _model_dir(tmp_path, llama_405b))["kv_cache_memory_bytes"] == 32 << 20
+    assert (
+        engine_kwargs(SaveOptions.parse({}), _model_dir(tmp_path, {"n_layer": 2}))["kv_cache_memory_bytes"] == 64 << 20
+    )
