@@ -4,12 +4,14 @@
 One scenario process (``scenarios/real_size.py``) builds it once in the session's directory, saves it
 with no flags but its dtype, and loads it back through vLLM; the tests check what it hands back.
 
-**Peak RSS** is the ``ru_maxrss`` of a fresh process that only saves (``save_checkpoint``, vLLM's engine in
-it). **vLLM's baseline** is the same figure for the same save of the tests' tiny Llama (3.4 MB of
-weights, less those): everything a save costs but the weights (the interpreter, torch and vLLM, the
-saving engine with its 64 MiB KV cache, the capture and the write). What grows with the model's shape
-besides its weights (activations, the 128k-position rope cache, read buffers) is charged to the model's
-side, against the target: peak <= 1.3 x the model's bytes + that baseline.
+**Peak RSS** is the high-water mark of the resident memory (``VmHWM``) of a fresh process that only saves
+(``save_checkpoint``, vLLM's engine in it); not its ``ru_maxrss``, which Linux carries over from the
+parent that started it (here one that had just built the model: 3.3 GB whatever the save did).
+**vLLM's baseline** is the same figure for the same save of the tests' tiny Llama, less its 3.4 MB of
+weights: everything a save costs but the weights (the interpreter, torch and vLLM, the saving engine
+with its 64 MiB KV cache, the capture and the write). What grows with the model's shape besides its
+weights (activations, the 128k-position rope cache, read buffers) is charged to the model's side,
+against the target: peak <= 1.3 x the model's bytes + that baseline.
 """
 
 from __future__ import annotations

@@ -88,3 +88,17 @@ def weight_bytes(model_dir: str | Path) -> int:
         total += sum(end - begin for key, v in header.items() if key != "__metadata__" for begin, end in
                      [v["data_offsets"]])  # fmt: skip
     return total
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: ``VmHWM``, the high-water mark of its own address space.
+
+    Not ``ru_maxrss``: Linux carries that across ``execve`` from the address space the new program
+    replaces, which for a child started by ``subprocess`` (vfork) is its parent's, so a child reports at
+    least its parent's peak (a scenario that built this model first: 3.3 GB, whatever the child did).
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

@@ -6,10 +6,11 @@ Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
 
 Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
 beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
-``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 only), each measuring its own
-peak RSS (``ru_maxrss``): once for this model, once for the tests' tiny Llama (3.4 MB of weights: the
-baseline, everything a save costs but the weights); greedy tokens with vLLM's default loader on the
-safetensors and with ``load_format="tensorizer_manifest"`` on the checkpoint, in this process.
+``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 only), each measuring its
+own peak RSS (``VmHWM``; not ``ru_maxrss``, which a child inherits from its parent): once for this model,
+once for the tests' tiny Llama (3.4 MB of weights: the baseline, everything a save costs but the
+weights); greedy tokens with vLLM's default loader on the safetensors and with
+``load_format="tensorizer_manifest"`` on the checkpoint, in this process.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ SAVE_MARK = "REAL_SIZE_SAVE "
 
 def save_alone(model_dir: str, out_dir: str) -> None:
     """The save and nothing else; its peak RSS is this process's."""
-    from helpers.real_size import DTYPE
+    from helpers.real_size import DTYPE, peak_rss_mib
 
     from tensorizer_manifest.save import save_checkpoint
 
     start = time.perf_counter()
     save_checkpoint(model_dir, out_dir, dtype=DTYPE)
     seconds = time.perf_counter() - start
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(SAVE_MARK + json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb}), flush=True)
+    peak_mb = peak_rss_mib()
+    ru_maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # includes the parent's peak
+    print(SAVE_MARK + json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "ru_maxrss_mb": ru_maxrss_mb}))
 
 
 def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
