@@ -104,7 +104,6 @@ def main() -> None:
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
 
-
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
     if not args.multiprocessing:
