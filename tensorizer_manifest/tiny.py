@@ -119,7 +119,7 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
     for key, value in (overrides or {}).items():
         (moe if key in moe else common)[key] = value
     if kind in FAMILIES:
-        return family_config(kind, common, moe)
+        return family_config(kind, common, moe, overrides)
     if kind in ("qwen3-tied", "awq-w4"):
         from transformers import Qwen3Config
 

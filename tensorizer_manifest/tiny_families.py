@@ -164,10 +164,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_config(kind: str, common: dict[str, Any], moe: dict[str, Any]):
-    """The transformers config of a family kind."""
+def family_config(kind: str, common: dict[str, Any], moe: dict[str, Any], overrides: dict[str, Any] | None = None):
+    """The transformers config of a family kind; ``overrides`` (config keys) have the last word over the
+    family's own settings (a tied head on the long-context Llama, say)."""
     import transformers
 
     family = FAMILIES[kind]
-    settings = {"pad_token_id": 1, **family.settings(common, moe)}  # inside the tiny vocabulary
+    explicit = {k: v for k, v in (overrides or {}).items() if k not in moe}
+    settings = {"pad_token_id": 1, **family.settings(common, moe), **explicit}  # pad id inside the tiny vocabulary
     return getattr(transformers, family.config_class)(**settings)

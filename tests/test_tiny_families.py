@@ -78,3 +78,12 @@ def test_mixtral_experts_are_written_with_the_hub_names(tmp_path):
             assert torch.equal(state[f"{moe}experts.{e}.w1.weight"], fused_gate_up[e, :inter])
             assert torch.equal(state[f"{moe}experts.{e}.w3.weight"], fused_gate_up[e, inter:])
             assert torch.equal(state[f"{moe}experts.{e}.w2.weight"], fused_down[e])
+
+
+def test_overrides_have_the_last_word_over_a_family_s_settings():
+    """The benchmarks and the real-size test build families at other shapes: a tied head on the long-context
+    Llama (Llama-3.2-1B ties it; the family itself does not)."""
+    config = tiny._config("llama3-128k", 1024, {"tie_word_embeddings": True, "hidden_size": 512})
+    assert config.tie_word_embeddings is True and config.hidden_size == 512
+    assert config.max_position_embeddings == 131072  # the family's own setting stays where not overridden
+    assert tiny._config("llama3-128k", 1024).tie_word_embeddings is False

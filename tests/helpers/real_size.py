@@ -9,11 +9,8 @@ id). Used by ``tests/scenarios/real_size.py`` and ``benchmarks/bench_load.py --s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 KIND = "llama3-128k"
@@ -33,40 +30,12 @@ LLAMA_3_2_1B = dict(
 DTYPE = "bfloat16"
 
 
-@contextmanager
-def _tied_family(tied: bool) -> Iterator[None]:
-    """Within the block, the ``llama3-128k`` family keeps a ``tie_word_embeddings`` override.
-
-    ``tiny_families._llama3_long_context`` sets ``tie_word_embeddings=False`` after the overrides, so
-    the override cannot reach the config; this wraps the family's settings in this process only, and
-    does nothing once the family lets the override through (see ``build``).
-    """
-    from tensorizer_manifest import tiny_families
-
-    family = tiny_families.FAMILIES[KIND]
-
-    def settings(common: dict, moe: dict) -> dict:
-        return {**family.settings(common, moe), "tie_word_embeddings": tied}
-
-    tiny_families.FAMILIES[KIND] = dataclasses.replace(family, settings=settings)
-    try:
-        yield
-    finally:
-        tiny_families.FAMILIES[KIND] = family
-
-
 def build(out_dir: str | Path, **overrides) -> Path:
     """The model directory (built once: an existing complete one is reused), checked against the shape."""
-    from tensorizer_manifest.tiny import _config, build_tiny_model
+    from tensorizer_manifest.tiny import build_tiny_model
 
     sizes = {**LLAMA_3_2_1B, **overrides}
-    tied = bool(sizes.get("tie_word_embeddings", False))
-    honoured = _config(KIND, sizes["vocab_size"], sizes).tie_word_embeddings == tied  # a config only, no weights
-    if honoured:
-        out = build_tiny_model(out_dir, KIND, **sizes)
-    else:
-        with _tied_family(tied):
-            out = build_tiny_model(out_dir, KIND, **sizes)
+    out = build_tiny_model(out_dir, KIND, **sizes)
     config = json.loads((Path(out) / "config.json").read_text())
     wanted = {**sizes, "max_position_embeddings": 131072}
     got = {k: config.get(k) for k in wanted}
