@@ -102,11 +102,17 @@ class RedactOptions(logging.Filter):
 
 
 def redact_logged_options(keys: frozenset[str]) -> None:
-    """Never let vLLM log these ``model_loader_extra_config`` keys' values (it logs its engine arguments)."""
+    """Never let vLLM log these ``model_loader_extra_config`` keys' values (it logs its engine arguments).
+
+    One filter per logger however often this is called (the plugin calls it in every vLLM process): later
+    keys join the existing filter's."""
     for name in (ENGINE_ARGS_LOGGER, "vllm"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactOptions) and f.keys == keys for f in logger.filters):
+        existing = next((f for f in logger.filters if isinstance(f, RedactOptions)), None)
+        if existing is None:
             logger.addFilter(RedactOptions(keys))
+        else:
+            existing.keys = existing.keys | keys
 
 
 def register_model_loader_once(load_format: str, loader_cls: type) -> bool:

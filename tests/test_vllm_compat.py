@@ -48,11 +48,14 @@ def test_logged_engine_arguments_hide_credential_options(caplog):
 
     _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))
     _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))  # once only
+    _vllm_compat.redact_logged_options(frozenset({"other_secret"}))  # joins the same filter
     logger = logging.getLogger(_vllm_compat.ENGINE_ARGS_LOGGER)
     assert sum(isinstance(f, _vllm_compat.RedactOptions) for f in logger.filters) == 1
     with caplog.at_level(logging.INFO, logger=_vllm_compat.ENGINE_ARGS_LOGGER):
-        logger.info("non-default args: %s", {"model_loader_extra_config": {"s3_secret_access_key": "s3cr3t-xyz"}})
+        logger.info("non-default args: %s", {"model_loader_extra_config": {"s3_secret_access_key": "s3cr3t-xyz",
+                                                                          "other_secret": "0th3r"}})  # fmt: skip
     assert "s3cr3t-xyz" not in caplog.text and "'s3_secret_access_key': '***'" in caplog.text
+    assert "0th3r" not in caplog.text
 
 
 def test_the_save_reads_safetensors_unmapped_and_puts_vllms_reader_back(tmp_path):
