@@ -239,6 +239,20 @@ def _quantize_w8a8(state: dict, input_scales: dict[str, torch.Tensor] | None = N
     return out, quant_config
 
 
+def _run_corpus(model, tokenizer, handles: list) -> None:
+    """Run the transformers model on the corpus and the demo prompts (what calibration observes), then remove
+    the observing hooks."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            for text in _CORPUS + DEMO_PROMPTS:
+                model(**tokenizer(text, return_tensors="pt"))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _calibrate_input_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
     """Static per-tensor int8 activation scales: each decoder linear's largest input on the corpus / 127.
 
@@ -262,13 +276,7 @@ def _calibrate_input_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tenso
         for path, module in model.named_modules()
         if _is_decoder_linear(path + ".weight")
     ]
-    try:
-        with torch.no_grad():
-            for text in _CORPUS + DEMO_PROMPTS:
-                model(**tokenizer(text, return_tensors="pt"))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_corpus(model, tokenizer, handles)
     return {
         prefix + "input_scale": torch.tensor([value / 127.0], dtype=torch.float32) for prefix, value in amax.items()
     }
@@ -509,13 +517,7 @@ def _calibrate_kv_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}.self_attn."
         handles.append(layer.self_attn.k_proj.register_forward_hook(observe(prefix + "k_scale", True)))
         handles.append(layer.self_attn.v_proj.register_forward_hook(observe(prefix + "v_scale", False)))
-    try:
-        with torch.no_grad():
-            for text in _CORPUS + DEMO_PROMPTS:
-                model(**tokenizer(text, return_tensors="pt"))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_corpus(model, tokenizer, handles)
     return {name: torch.tensor([value / FP8_E4M3_MAX], dtype=torch.float32) for name, value in amax.items()}
 
 
