@@ -12,8 +12,11 @@ A model this CPU cannot run (4-bit without AVX-512, FP8 without AMX) is skipped,
 Paths, each a fresh process with the engine in it, alternated within a round (``bench_load.py``'s
 machinery): ``default`` (vLLM's default loader from safetensors: it repacks every 4-bit weight or
 prepacks every expert), ``manifest-processed`` (a checkpoint saved with the default policy: those
-layers saved processed, nothing repacked at load) and ``manifest-portable`` (``save --portable``:
-every layer raw, vLLM's step runs at load as in the default loader). Figures, never assertions.
+layers saved processed, nothing repacked at load), ``manifest-fallback`` (the same checkpoint as the other
+x86 machine sees it: every layer with a raw fallback records the other ISA, ``tests/helpers/other_machine.py``,
+so those layers load through their fallback and vLLM's step) and ``manifest-portable`` (``save --portable``:
+every layer raw, vLLM's step runs at load as in the default loader). The size the fallbacks add is the
+processed checkpoint's tensor file against one saved with ``--no-fallbacks``. Figures, never assertions.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def why_not_here(kind: str) -> str | None:
     return None
 
 
-PATHS = ("default", "manifest-processed", "manifest-portable")
+PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-portable")
 
 
 def prepare(work: Path, name: str) -> dict[str, str]:
@@ -62,12 +65,34 @@ def prepare(work: Path, name: str) -> dict[str, str]:
     kind, sizes = MODELS[name]
     model = build_tiny_model(work / f"model-{name}", kind, **sizes)
     dirs = {"model": str(model)}
-    for variant, env in (("processed", {}), ("portable", {"BENCH_SAVE_PORTABLE": "1"})):
+    variants = (("processed", {}), ("portable", {"BENCH_SAVE_PORTABLE": "1"}),
+                ("no-fallbacks", {"BENCH_SAVE_FALLBACKS": "0"}))  # fmt: skip
+    for variant, env in variants:
         out = work / f"ckpt-{name}-{variant}"
         if not (out / "model.manifest.json").exists():
             dirs[f"save-{variant}"] = bench_load.run_child("save", str(model), str(out), env=env)
         dirs[variant] = str(out)
+    sys.path.insert(0, str(ROOT / "tests"))  # for helpers
+    from helpers.other_machine import as_the_other_machine, edited_copy
+
+    other = edited_copy(Path(dirs["processed"]), work / f"ckpt-{name}-other-machine", as_the_other_machine)
+    dirs["fallback"] = str(other)
     return dirs
+
+
+def sizes(dirs: dict[str, str]) -> dict:
+    """Tensor file bytes with and without fallbacks, and how many layers keep one."""
+    from tensorizer_manifest.checkpoint import load_manifest
+
+    with_fallbacks, _ = load_manifest(dirs["processed"])
+    without, _ = load_manifest(dirs["no-fallbacks"])
+    return {
+        "tensor_file_bytes": with_fallbacks.tensor_file.size,
+        "tensor_file_bytes_no_fallbacks": without.tensor_file.size,
+        "fallback_bytes": sum(t.nbytes for m in with_fallbacks.modules for t in m.fallback),
+        "layers_with_fallback": sum(1 for m in with_fallbacks.modules if m.fallback),
+        "overhead": round(with_fallbacks.tensor_file.size / without.tensor_file.size - 1, 4),
+    }
 
 
 def summarise(name: str, runs: list[dict]) -> dict:
@@ -75,7 +100,7 @@ def summarise(name: str, runs: list[dict]) -> dict:
     by_path: dict[str, list[dict]] = {}
     for run in runs:
         by_path.setdefault(run["path"], []).append(run)
-    for ours in ("manifest-processed", "manifest-portable"):
+    for ours in ("manifest-processed", "manifest-fallback", "manifest-portable"):
         pairs = zip(by_path[ours], by_path["default"], strict=True)
         summary["ratios"][f"{ours} / default: load_model"] = bench_load.spread(
             [a["seconds"]["load_model"] / b["seconds"]["load_model"] for a, b in pairs]
@@ -95,7 +120,7 @@ def plot(summaries: list[dict], path: Path) -> None:
         print("(matplotlib is not installed: no plot; `make bench` installs it)")
         return
     fig, axes = plt.subplots(1, len(summaries), figsize=(4.5 * len(summaries), 4), squeeze=False)
-    colors = {"default": "#888", "manifest-processed": "#195", "manifest-portable": "#2a7"}
+    colors = {"default": "#888", "manifest-processed": "#195", "manifest-fallback": "#c83", "manifest-portable": "#2a7"}
     for ax, summary in zip(axes[0], summaries, strict=True):
         rows = [summary["paths"][p]["load_model"] for p in PATHS]
         med = [r["median"] for r in rows]
@@ -133,11 +158,19 @@ def main() -> None:
         for round_ in range(args.rounds):
             for path in PATHS if round_ % 2 == 0 else PATHS[::-1]:
                 target = {"default": dirs["model"], "manifest-processed": dirs["processed"],
+                          "manifest-fallback": dirs["fallback"],
                           "manifest-portable": dirs["portable"]}[path]  # fmt: skip
                 runs.append(bench_load.run_child(path, target, ""))
         summary = summarise(name, runs)
         summary["save"] = {k: dirs[k] for k in dirs if k.startswith("save-")}
+        summary["sizes"] = sizes(dirs)
         bench_load.print_summary(summary)
+        s = summary["sizes"]
+        print(
+            f"  raw fallbacks: {s['layers_with_fallback']} layers, {s['fallback_bytes'] / 1e6:.1f} MB, tensor file "
+            f"{s['tensor_file_bytes'] / 1e6:.1f} MB against {s['tensor_file_bytes_no_fallbacks'] / 1e6:.1f} MB "
+            f"with --no-fallbacks (+{100 * s['overhead']:.1f} %)"
+        )
         print(f"  same greedy tokens on every path: {summary['same_tokens']}")
         summaries.append(summary)
     if not summaries:

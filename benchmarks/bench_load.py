@@ -228,7 +228,8 @@ def child(argv: list[str]) -> dict:
         capture.Recorder.__init__ = marked
         start = time.perf_counter()
         portable = os.environ.get("BENCH_SAVE_PORTABLE") == "1"
-        save_checkpoint(argv[1], argv[2], dtype="bfloat16", portable=portable)  # the saving engine's own context
+        fallbacks = os.environ.get("BENCH_SAVE_FALLBACKS", "1") == "1"
+        save_checkpoint(argv[1], argv[2], dtype="bfloat16", portable=portable, fallbacks=fallbacks)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
     if mode == "native":

@@ -44,6 +44,9 @@ class CapturedLayer:
     reason: str
     form: dict[str, Any] = field(default_factory=dict)
     verified: bool | None = None
+    fallback: dict[str, TensorSlot] = field(default_factory=dict)
+    """A processed layer's pre-step tensors, kept when its form is one machine's or one kernel's
+    (``CapturePolicy.fallbacks``)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,14 @@ class CapturePolicy:
     allow_unverified: bool = False
     """Save processed also where the restorer is not verified on this device kind (recorded per layer)."""
     device_type: str = "cpu"
+    fallbacks: bool = True
+    """Keep the raw tensors of processed layers whose form belongs to one machine kind or one kernel beside
+    them (``save --no-fallbacks`` drops them): such a checkpoint loads on any machine and any vLLM whose
+    engine settings match, processed where the form fits, through vLLM's step elsewhere."""
+
+    def keeps_fallback(self, restorer: Restorer, form: dict[str, Any]) -> bool:
+        """Whether a layer saved processed by ``restorer`` in ``form`` also keeps its raw tensors."""
+        return self.fallbacks and (bool(form) or not restorer.kernel_independent)
 
     def refuses(self, restorer: Restorer) -> str | None:
         """Why a layer this restorer covers is saved raw anyway; None when it may be saved processed."""
@@ -109,6 +120,7 @@ def classify(
     if restorer is not None and (refused := policy.refuses(restorer)) is not None:
         restorer, why_not = None, refused
     if restorer is not None:
+        form = restorer.form(module)
         return CapturedLayer(
             path,
             module,
@@ -118,8 +130,9 @@ def classify(
             after.kernels,
             runtime_attrs(diff, restorer.name),
             f"restorer {restorer.name} rebuilds all the step created",
-            form=restorer.form(module),
+            form=form,
             verified=restorer.verified_for(policy.device_type),
+            fallback=before.tensors if policy.keeps_fallback(restorer, form) else {},
         )
     # Tensors the step creates (e.g. int8's ``azp_adj``) are runtime state of a raw layer too.
     created = [

@@ -422,6 +422,14 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     help="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
 )
 @click.option(
+    "--fallbacks/--no-fallbacks",
+    default=True,
+    show_default=True,
+    help="Keep raw tensors beside layers saved in a form one machine kind or one kernel produces (4-bit "
+    "repacks, prepacked experts): other machines and vLLM versions load those layers through vLLM's step. "
+    "--no-fallbacks saves only the processed form (smaller; refused where it does not fit).",
+)
+@click.option(
     "--signing-key-file",
     type=_PATH,
     default=None,
@@ -455,6 +463,7 @@ def save(
     cpu_gemm: str,
     portable: bool,
     allow_unverified: bool,
+    fallbacks: bool,
     signing_key_file: Path | None,
     s3_access_key_id: str | None,
     s3_secret_access_key: str | None,
@@ -487,6 +496,7 @@ def save(
             cpu_gemm=cpu_gemm,
             portable=portable,
             allow_unverified=allow_unverified,
+            fallbacks=fallbacks,
             engine_args=engine_args,
             signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
             s3_access_key_id=s3_access_key_id,

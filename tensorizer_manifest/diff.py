@@ -1,4 +1,4 @@
-"""What differs between two checkpoints: fingerprint, layers, state, kernels, tensors. No torch."""
+"""What differs between two checkpoints: fingerprint, layers, state, kernels, forms, tensors, fallbacks. No torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .schema import Manifest, ModuleRecord, kernel_map
+from .schema import Manifest, ModuleRecord, TensorRecord, kernel_map
 
 
 @dataclass
@@ -39,20 +39,32 @@ def _layer_changes(a: ModuleRecord, b: ModuleRecord) -> list[tuple[str, object, 
     for key in sorted(set(ka) | set(kb)):
         if ka.get(key) != kb.get(key):
             changes.append((f"kernel {key[0]}.{key[1]}", ka.get(key), kb.get(key)))
-    ta = {t.name: t for t in a.tensors}
-    tb = {t.name: t for t in b.tensors}
-    for name in sorted(set(ta) | set(tb)):
-        x, y = ta.get(name), tb.get(name)
-        if x is None or y is None:
-            changes.append((f"tensor {name}", "present" if x else "absent", "present" if y else "absent"))
-            continue
-        for attr in ("kind", "dtype", "shape", "stride", "param_class", "hash", "alias_of"):
-            if getattr(x, attr) != getattr(y, attr):
-                changes.append((f"tensor {name} {attr}", getattr(x, attr), getattr(y, attr)))
+    if a.form != b.form:
+        changes.append(("form", a.form, b.form))
+    changes += _tensor_changes("tensor", a.tensors, b.tensors)
+    if bool(a.fallback) != bool(b.fallback):
+        changes.append(("raw fallback", "present" if a.fallback else "absent", "present" if b.fallback else "absent"))
+    else:
+        changes += _tensor_changes("fallback tensor", a.fallback, b.fallback)
     ra = {(r.owner, r.name) for r in a.runtime_state}
     rb = {(r.owner, r.name) for r in b.runtime_state}
     if ra != rb:
         changes.append(("runtime_state", sorted(".".join(k) for k in ra), sorted(".".join(k) for k in rb)))
+    return changes
+
+
+def _tensor_changes(label: str, a: list[TensorRecord], b: list[TensorRecord]) -> list[tuple[str, object, object]]:
+    changes: list[tuple[str, object, object]] = []
+    ta = {t.name: t for t in a}
+    tb = {t.name: t for t in b}
+    for name in sorted(set(ta) | set(tb)):
+        x, y = ta.get(name), tb.get(name)
+        if x is None or y is None:
+            changes.append((f"{label} {name}", "present" if x else "absent", "present" if y else "absent"))
+            continue
+        for attr in ("kind", "dtype", "shape", "stride", "param_class", "hash", "alias_of"):
+            if getattr(x, attr) != getattr(y, attr):
+                changes.append((f"{label} {name} {attr}", getattr(x, attr), getattr(y, attr)))
     return changes
 
 

@@ -34,7 +34,27 @@ def layer_row(module: ModuleRecord) -> dict:
         "aliases": len(module.tensors) - len(stored),
         "bytes": sum(t.nbytes for t in stored),
         "runtime_state": [f"{a.owner}.{a.name}" if a.owner != "layer" else a.name for a in module.runtime_state],
+        "forms": forms_of(module),
     }
+
+
+def forms_of(module: ModuleRecord) -> list[dict]:
+    """The forms a layer can load in, in the order a loader tries them: its own, then the raw fallback."""
+    own = {
+        "state": module.state,
+        "form": module.form,
+        "tensors": sum(1 for t in module.tensors if t.alias_of is None),
+        "bytes": sum(t.nbytes for t in module.tensors if t.alias_of is None),
+    }
+    if not module.fallback:
+        return [own]
+    fallback = {
+        "state": "raw fallback",
+        "form": {},
+        "tensors": len(module.fallback),
+        "bytes": sum(t.nbytes for t in module.fallback),
+    }
+    return [own, fallback]
 
 
 def summary(manifest: Manifest) -> dict:
@@ -59,8 +79,18 @@ def summary(manifest: Manifest) -> dict:
         "layers": len(manifest.modules),
         "raw_layers": states.get("raw", 0),
         "processed_layers": states.get("processed", 0),
+        "layers_with_fallback": sum(1 for m in manifest.modules if m.fallback),
+        "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
         "replay": dict(sorted(replays.items())),
     }
+
+
+def _fallback_cell(forms: list[dict]) -> str:
+    if len(forms) < 2:
+        return "-"
+    own, fallback = forms
+    where = ", ".join(f"{k}={v}" for k, v in own["form"].items()) or "this kernel"
+    return f"raw, {fallback['tensors']} tensors, {fallback['bytes']:,} bytes (processed only where {where})"
 
 
 def as_json(manifest: Manifest) -> bytes:
@@ -73,8 +103,10 @@ def render(manifest: Manifest, source: str, console) -> None:
 
     table = Table(title=f"{source}", show_lines=False, header_style="bold")
     # Names people search for are never folded; only the long lists are.
-    for column in ("layer", "class", "quant method", "kernel", "state", "replay", "tensors", "bytes", "runtime state"):
-        table.add_column(column, no_wrap=column not in ("kernel", "runtime state"), overflow="fold")
+    columns = ("layer", "class", "quant method", "kernel", "state", "replay", "tensors", "bytes", "runtime state")
+    with_fallbacks = any(m.fallback for m in manifest.modules)
+    for column in columns + (("fallback",) if with_fallbacks else ()):
+        table.add_column(column, no_wrap=column not in ("kernel", "runtime state", "fallback"), overflow="fold")
     for module in manifest.modules:
         row = layer_row(module)
         table.add_row(
@@ -87,6 +119,7 @@ def render(manifest: Manifest, source: str, console) -> None:
             f"{row['tensors']}" + (f" ({row['aliases']} tied)" if row["aliases"] else ""),
             f"{row['bytes']:,}",
             ", ".join(row["runtime_state"]) or "-",
+            *([_fallback_cell(row["forms"])] if with_fallbacks else []),
         )
     console.print(table)
     s = summary(manifest)
@@ -96,6 +129,11 @@ def render(manifest: Manifest, source: str, console) -> None:
         f"TP {s['tensor_parallel']}, PP {s['pipeline_parallel']}, "
         f"{s['device']}; vLLM {s['vllm_version']}, torch {s['torch_version']}, tensorizer {s['tensorizer_version']}"
     )
+    if s["layers_with_fallback"]:
+        console.print(
+            f"{s['layers_with_fallback']} processed layers keep a raw fallback ({s['fallback_bytes']:,} bytes): "
+            "loaded processed where their form fits, through vLLM's step elsewhere"
+        )
     console.print(
         f"{s['layers']} layers: {s['processed_layers']} processed, {s['raw_layers']} raw; "
         f"{s['tensors_stored']} tensors, {s['tensor_file_bytes']:,} bytes in {s['tensor_file']}; "

@@ -164,7 +164,8 @@ def restore_tensors(
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
     Tensors are read in file order by the reader's parallel readers and placed
-    as they arrive. Once a layer's tensors are all in place, ``on_layer(record,
+    as they arrive; tensors of the file that no record names (the form of a
+    layer not chosen) are skipped, not read. Once a layer's tensors are all in place, ``on_layer(record,
     module, check_hashes)`` is called (in manifest order) while reading goes
     on; ``check_hashes(path)`` waits for that layer's content hashes. Every hash
     is checked before this returns. ``progress`` is called after each tensor is
@@ -173,7 +174,8 @@ def restore_tensors(
     hashes = HashChecker(reader.path.name) if verify_hashes else None
     stored = [t for m in manifest.modules for t in m.tensors if t.alias_of is None and t.key is not None]
     counter = ProgressCounter(progress, len(stored), sum(t.nbytes for t in stored))
-    stream = reader.stream()
+    # Only what this manifest's records name: an effective manifest (forms.choose_forms) names one form a layer.
+    stream = reader.stream(keys=[t.key for t in stored])
     arrived: dict[str, torch.Tensor] = {}
 
     def take(key: str) -> torch.Tensor:

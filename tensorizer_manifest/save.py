@@ -73,6 +73,15 @@ class SaveOptions(S3Options):
     allow_unverified: bool = Field(
         False, description="Save processed also where the restorer is not verified on this device kind."
     )
+    fallbacks: bool = Field(
+        True,
+        description=(
+            "Keep, beside each layer saved processed in a form that belongs to one machine kind or one kernel "
+            "(4-bit repacks, prepacked experts), its raw tensors: the checkpoint then loads on other machines and "
+            "other vLLM versions, those layers through vLLM's own step. False saves only the processed form "
+            "(smaller; refused where the form does not fit). docs/performance.md has the bytes it adds."
+        ),
+    )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
     signing_key_file: str | None = Field(
         None,
@@ -214,7 +223,11 @@ def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
         trust_remote_code=options.trust_remote_code,
         enforce_eager=True,
         max_num_seqs=1,
-        model_loader_extra_config={"portable": options.portable, "allow_unverified": options.allow_unverified},
+        model_loader_extra_config={
+            "portable": options.portable,
+            "allow_unverified": options.allow_unverified,
+            "fallbacks": options.fallbacks,
+        },
     )
     kwargs.update(options.engine_args)
     return kwargs

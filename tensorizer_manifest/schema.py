@@ -28,7 +28,12 @@ import msgspec
 
 from .errors import ConfigurationError, ManifestError, ManifestVersionError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format this version reads and writes. A manifest is written at the lowest version that holds
+everything in it (``required_format_version``): one without fallbacks is version 1, which every earlier
+reader reads."""
+FALLBACKS_FORMAT_VERSION = 2
+"""The first version with raw fallbacks (``ModuleRecord.fallback``)."""
 MANIFEST_SUFFIX = ".manifest.json"
 TENSORS_SUFFIX = ".tensors"
 
@@ -171,6 +176,11 @@ class ModuleRecord(_Struct, kw_only=True):
     verified: bool | None = None
     """For a layer a restorer replays: False when its restorer was not verified on the saving device
     kind and the user opted in (``--allow-unverified``); None for raw layers and older manifests."""
+    fallback: list[TensorRecord] = []
+    """Format version 2. For a processed layer whose form belongs to one machine kind or one kernel, its
+    tensors as a raw layer holds them (before vLLM's step), stored after every layer's own tensors: a loader
+    whose machine or vLLM would not produce the processed form reads these instead and runs vLLM's step once.
+    Left out of the encoding while empty (``_encode``), so that version-1 manifests stay what they were."""
 
 
 class Fingerprint(_Struct, kw_only=True):
@@ -255,8 +265,27 @@ class Manifest(_Struct, kw_only=True):
         return {m.path: m for m in self.modules}
 
     def ordered_records(self) -> list[tuple[str, TensorRecord]]:
-        """Every tensor record with its full name, in manifest order (what the digest covers)."""
-        return [(full_name(m.path, t.name), t) for m in self.modules for t in m.tensors]
+        """Every tensor record with its full name, in manifest order (what the digest covers): each layer's
+        own, then the raw fallbacks (``fallback_records``)."""
+        return [(full_name(m.path, t.name), t) for m in self.modules for t in m.tensors] + self.fallback_records()
+
+    def fallback_records(self) -> list[tuple[str, TensorRecord]]:
+        """The raw fallbacks' records, named ``fallback_name(full name)``, in manifest order."""
+        return [(fallback_name(full_name(m.path, t.name)), t) for m in self.modules for t in m.fallback]
+
+
+#: Prefix of a raw fallback tensor's full name (and key in the tensor file): it never names a module.
+FALLBACK_PREFIX = "fallback:"
+
+
+def fallback_name(name: str) -> str:
+    """The full name of a layer tensor's raw fallback (``fallback:model.layers.0.mlp.experts.w13_weight``)."""
+    return FALLBACK_PREFIX + name
+
+
+def required_format_version(manifest: Manifest) -> int:
+    """The lowest format version that holds everything in ``manifest``: what it is written as."""
+    return FALLBACKS_FORMAT_VERSION if any(m.fallback for m in manifest.modules) else 1
 
 
 def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
@@ -366,7 +395,7 @@ def canonical_bytes(manifest: Manifest, mode: SealMode) -> bytes:
         ref = msgspec.structs.asdict(manifest.tensor_file)
         del ref["encryption"]
         replaced["tensor_file"] = ref  # a dict in field order encodes as the struct did before the field
-    return head + _encoder.encode(msgspec.structs.replace(manifest, **replaced))
+    return head + _encode(msgspec.structs.replace(manifest, **replaced))
 
 
 def seal_hash(
@@ -410,10 +439,21 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Manifest)
 _header_decoder = msgspec.json.Decoder(_Header)
 
+#: An empty ``fallback``, as msgspec writes it: the last field of a module record, so ``]}`` ends it. Inside a
+#: JSON string every ``"`` is escaped, so these bytes only ever occur as that field.
+_EMPTY_FALLBACK = b',"fallback":[]}'
+
+
+def _encode(manifest: Manifest) -> bytes:
+    """Compact JSON with every empty ``fallback`` left out: a manifest without fallbacks encodes, byte for
+    byte, as version 1 did (its seal still matches, and version-1 readers, which refuse unknown fields, read
+    it). msgspec has no per-field ``omit_defaults``; the field is last in its record, so this is exact."""
+    return _encoder.encode(manifest).replace(_EMPTY_FALLBACK, b"}")
+
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Pretty JSON: a manifest is read by people as well as machines."""
-    return msgspec.json.format(_encoder.encode(manifest), indent=1) + b"\n"
+    return msgspec.json.format(_encode(manifest), indent=1) + b"\n"
 
 
 def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:

@@ -14,7 +14,7 @@ plain, so the prefix and head hashes are taken, and checked, the same way.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -197,10 +197,16 @@ class TensorFileReader:
         if isinstance(cache, dict):
             cache.pop((key,), None)
 
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every stored tensor as ``(key, tensor)``, in file order, while the readers go on reading."""
+    def stream(self, keys: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stored tensor as ``(key, tensor)``, in file order, while the readers go on reading.
+
+        With ``keys``, only those: tensorizer's readers seek past the others' bytes instead of reading them
+        (a layer's other form), and a reader whose span holds none of them never starts.
+        """
+        wanted = None if keys is None else frozenset(keys)
+        filter_func = None if wanted is None else wanted.__contains__
         try:
-            for _, _, key, tensor in self._deserializer.read_tensors():
+            for _, _, key, tensor in self._deserializer.read_tensors(filter_func=filter_func):
                 self._forget(str(key))
                 yield str(key), (tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
         except Exception as exc:  # tensorizer raises many kinds on a damaged file

@@ -52,6 +52,7 @@ from .restorers import known_replays
 from .schema import (
     ALLOWED_PARAM_MODULES,
     DTYPE_ITEMSIZE,
+    REPLAY_NONE,
     REPLAY_POST_LOAD,
     EncryptionKey,
     Manifest,
@@ -59,7 +60,9 @@ from .schema import (
     TensorRecord,
     digest_line,
     digest_of_lines,
+    fallback_name,
     full_name,
+    required_format_version,
     seal_hash,
 )
 from .tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
@@ -290,28 +293,45 @@ def check_manifest(
     paths: set[str] = set()
     known = known_replays()
     digest_lines: list[str] = []  # the digest is taken in this same pass: one full name per record
+
+    def check_record(name: str, record: TensorRecord) -> None:
+        digest_lines.append(digest_line(name, record))
+        if name in records_by_name:
+            problem(ManifestError, f"tensor {name!r} is recorded twice")
+        bad = _check_record(record)
+        if bad:
+            problem(ManifestError, f"tensor {name!r}: {bad}")
+        if record.alias_of is not None:
+            _check_alias(name, record, records_by_name, problem)
+        elif record.key is not None:
+            if record.key in by_key:
+                problem(ManifestError, f"tensor file key {record.key!r} is used twice")
+            by_key[record.key] = record
+        elif record.nbytes:
+            problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
+        records_by_name.setdefault(name, record)
+
     for module in manifest.modules:
         if module.path in paths:
             problem(ManifestError, f"module {module.path!r} is recorded twice")
         paths.add(module.path)
         _check_module_replay(module, known, problem)
         for record in module.tensors:
-            name = full_name(module.path, record.name)
-            digest_lines.append(digest_line(name, record))
-            if name in records_by_name:
-                problem(ManifestError, f"tensor {name!r} is recorded twice")
-            bad = _check_record(record)
-            if bad:
-                problem(ManifestError, f"tensor {name!r}: {bad}")
+            check_record(full_name(module.path, record.name), record)
+    for module in manifest.modules:  # the raw fallbacks, after every layer's own tensors (as in the file)
+        if module.fallback and (module.state != "processed" or module.replay == REPLAY_NONE):
+            problem(ManifestError, f"layer {module.path!r} has a raw fallback but is not a processed layer")
+        for record in module.fallback:
+            name = fallback_name(full_name(module.path, record.name))
             if record.alias_of is not None:
-                _check_alias(name, record, records_by_name, problem)
-            elif record.key is not None:
-                if record.key in by_key:
-                    problem(ManifestError, f"tensor file key {record.key!r} is used twice")
-                by_key[record.key] = record
-            elif record.nbytes:
-                problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
-            records_by_name.setdefault(name, record)
+                problem(ManifestError, f"raw fallback {name!r} is an alias; fallbacks store every tensor")
+            check_record(name, record)
+    if manifest.format_version < required_format_version(manifest):
+        problem(
+            ManifestError,
+            f"the manifest says format version {manifest.format_version} but holds raw fallbacks (version "
+            f"{required_format_version(manifest)}): it was edited by hand; re-save the checkpoint",
+        )
     if digest_of_lines(digest_lines) != manifest.tensor_file.digest:
         problem(
             IntegrityError,

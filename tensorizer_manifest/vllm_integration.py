@@ -28,6 +28,7 @@ from .capture import Capture, CapturePolicy, Recorder
 from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, signing_key_from
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
+from .forms import choose_forms
 from .load import check_model, restore_tensors
 from .options import S3Options, describe_validation_error
 from .progress import terminal_progress
@@ -63,6 +64,17 @@ def _log_load(manifest_path: Path, summary: dict) -> None:
         laps["read_tensors"],
         laps["replay"],
     )
+    forms = summary["forms"]
+    if forms["fallback"]:
+        reasons = "; ".join(f"{n} layer(s): {why}" for why, n in forms["fallback_reasons"].items())
+        logger.warning(
+            "%s: %d processed layer(s) loaded through their raw fallback, vLLM's post-load step ran on them "
+            "(%d loaded processed): %s. A checkpoint saved on this machine and vLLM loads them processed.",
+            manifest_path,
+            forms["fallback"],
+            forms["processed_with_fallback"],
+            reasons,
+        )
 
 
 class LoadOptions(S3Options):
@@ -116,6 +128,9 @@ class CaptureOptions(BaseModel):
     portable: bool = Field(False, description="Save every layer raw: loads wherever the engine settings match.")
     allow_unverified: bool = Field(
         False, description="Save processed also with restorers not verified on this device kind."
+    )
+    fallbacks: bool = Field(
+        True, description="Keep raw tensors beside processed layers whose form is one machine's or one kernel's."
     )
 
     @classmethod
@@ -196,18 +211,22 @@ class ManifestModelLoader(BaseModelLoader):
             unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
             if unsealed:
                 logger.warning("%s: %s", manifest_path, unsealed)
-            check_compatible(manifest.fingerprint, engine_fingerprint(vllm_config), manifest, str(manifest_path))
+            fingerprint = engine_fingerprint(vllm_config)
+            check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
             clock.lap("check_files")
             model, summary = self._restore_and_replay(
-                vllm_config, model_config, prefix, manifest, reader, target_device, options, clock
+                vllm_config, model_config, prefix, manifest, fingerprint, reader, target_device, options, clock
             )
         summary["encrypted"] = encryption_key is not None
         setattr(model, _REPORT_ATTR, summary)
         _log_load(manifest_path, summary)
         return model.eval()
 
-    def _restore_and_replay(self, vllm_config, model_config, prefix, manifest, reader, target_device, options, clock):
-        """Build the model, check it against the manifest, then read, restore and replay; returns it and its report."""
+    def _restore_and_replay(
+        self, vllm_config, model_config, prefix, manifest, fingerprint, reader, target_device, options, clock
+    ):
+        """Build the model, choose each layer's form and check the model against them, then read, restore and
+        replay; returns the model and its report."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -215,6 +234,8 @@ class ManifestModelLoader(BaseModelLoader):
             with target_device:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             clock.lap("build_model")
+            forms = choose_forms(manifest, model, fingerprint)
+            manifest = forms.manifest  # one form a layer from here on: the reader skips the other's bytes
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
             overlap = overlap_policy(options.overlap_steps, target_device)
@@ -245,6 +266,7 @@ class ManifestModelLoader(BaseModelLoader):
             "bytes_read": nbytes,
             "verify_hashes": options.verify_hashes,
             "num_readers": reader.num_readers,
+            "forms": forms.to_dict(),
             "overlap_steps": overlap,
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
@@ -270,6 +292,7 @@ class CaptureModelLoader(DefaultModelLoader):
                 portable=self.options.portable,
                 allow_unverified=self.options.allow_unverified,
                 device_type=fingerprint.device_type,
+                fallbacks=self.options.fallbacks,
             )
             # pre-step copies go to a nameless file in $TENSORIZER_MANIFEST_SPILL_DIR
             recorder = Recorder(model, policy=policy)

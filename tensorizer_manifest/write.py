@@ -20,7 +20,6 @@ from .progress import ProgressCallback, ProgressCounter
 from .remote import is_model_file
 from .schema import (
     ENCRYPTION_TENSORIZER,
-    FORMAT_VERSION,
     MANIFEST_SUFFIX,
     TENSORS_SUFFIX,
     EncryptionKey,
@@ -31,8 +30,10 @@ from .schema import (
     TensorRecord,
     digest_records,
     encode_manifest,
+    fallback_name,
     full_name,
     qualified_class,
+    required_format_version,
     seal_manifest,
 )
 from .tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
@@ -40,7 +41,11 @@ from .tensors import make_record
 
 
 def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, TensorSlot]]]:
-    """Records for every captured layer, and the (key, slot) pairs to store (``stored_tensors`` reads them)."""
+    """Records for every captured layer, and the (key, slot) pairs to store (``stored_tensors`` reads them).
+
+    Every layer's own tensors come first, in layer order; the raw fallbacks after all of them, so that a
+    load that needs none reads one contiguous run of the file and stops.
+    """
     modules: list[ModuleRecord] = []
     to_store: list[tuple[str, TensorSlot]] = []
     seen: dict[int, str] = {}  # id(tensor) -> full name of the first record holding it
@@ -50,15 +55,7 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
         for name, slot in layer.tensors.items():
             tensor_name = full_name(layer.path, name)
             alias_of = seen.get(id(slot.tensor))
-            record = make_record(
-                name,
-                slot.tensor,
-                kind=slot.kind,
-                persistent=slot.persistent,
-                key=tensor_name,
-                alias_of=alias_of,
-                content_hash=None if slot.stored is None else slot.stored.hash,
-            )
+            record = _record(name, slot, tensor_name, alias_of)
             if alias_of is None:
                 seen[id(slot.tensor)] = tensor_name
                 if record.key is not None:
@@ -80,8 +77,17 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
                 verified=layer.verified,
             )
         )
+    for layer, module in zip(capture.layers, modules, strict=True):
+        # Each fallback stores every tensor (no aliases): a layer's choice of form never depends on another's.
+        for name, slot in layer.fallback.items():
+            tensor_name = fallback_name(full_name(layer.path, name))
+            record = _record(name, slot, tensor_name, None)
+            if record.key is not None:
+                to_store.append((record.key, slot))
+            module.fallback.append(record)
+            ordered.append((tensor_name, record))
     manifest = Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=1,
         producer=PRODUCER,
         fingerprint=capture.fingerprint,
         tensor_file=TensorFileRef(
@@ -89,7 +95,20 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
         ),
         modules=modules,
     )
+    manifest.format_version = required_format_version(manifest)
     return manifest, to_store
+
+
+def _record(name: str, slot: TensorSlot, tensor_name: str, alias_of: str | None) -> TensorRecord:
+    return make_record(
+        name,
+        slot.tensor,
+        kind=slot.kind,
+        persistent=slot.persistent,
+        key=tensor_name,
+        alias_of=alias_of,
+        content_hash=None if slot.stored is None else slot.stored.hash,
+    )
 
 
 def stored_tensors(to_store: list[tuple[str, TensorSlot]]) -> Iterator[tuple[str, torch.Tensor]]:

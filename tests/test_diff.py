@@ -63,3 +63,21 @@ def test_diff_between_seeds_sees_hashes(tmp_path):
     b = write_synthetic_checkpoint(tmp_path / "b", seed=2)
     result = diff_manifests(load_manifest(a)[0], load_manifest(b)[0])
     assert any(what == "tensor weight hash" for _, what, _, _ in result.layers_changed)
+
+
+def test_diff_compares_forms_and_fallbacks(tmp_path):
+    plain = load_manifest(write_synthetic_checkpoint(tmp_path / "a", seed=3))[0]
+    both = load_manifest(write_synthetic_checkpoint(tmp_path / "b", seed=3, fallbacks=True))[0]
+    assert diff_manifests(plain, both).layers_added == ["model.layers.0.mlp.experts"]
+    other = load_manifest(write_synthetic_checkpoint(tmp_path / "c", seed=4, fallbacks=True))[0]
+    changed = {(layer, what) for layer, what, _, _ in diff_manifests(both, other).layers_changed}
+    assert ("model.layers.0.mlp.experts", "fallback tensor w13_weight hash") in changed
+    path = tmp_path / "b" / "model.manifest.json"
+    doc = json.loads(path.read_text())
+    next(m for m in doc["modules"] if m.get("fallback"))["form"]["isa"] = "amx"
+    del next(m for m in doc["modules"] if m.get("fallback"))["fallback"]
+    doc["seal"] = None
+    path.write_text(json.dumps(doc))
+    changes = [(what, a, b) for _, what, a, b in diff_manifests(both, load_manifest(tmp_path / "b")[0]).layers_changed]
+    assert ("raw fallback", "present", "absent") in changes
+    assert any(what == "form" and b["isa"] == "amx" for what, _, b in changes)

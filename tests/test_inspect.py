@@ -17,3 +17,14 @@ def test_rows_and_summary_of_the_synthetic_checkpoint(tmp_path):
     s = summary(manifest)
     assert (s["layers"], s["raw_layers"], s["processed_layers"]) == (4, 1, 3)
     assert s["tensor_file_bytes"] == manifest.tensor_file.size and s["model_class"] == "LlamaForCausalLM"
+
+
+def test_a_layer_with_a_raw_fallback_shows_both_forms(tmp_path):
+    manifest = read_manifest(write_synthetic_checkpoint(tmp_path / "c", fallbacks=True) / "model.manifest.json")
+    layer = next(m for m in manifest.modules if m.fallback)
+    own, fallback = layer_row(layer)["forms"]
+    assert own == {"state": "processed", "form": layer.form, "tensors": 1, "bytes": 4 * 16 * 32 * 2}
+    assert fallback == {"state": "raw fallback", "form": {}, "tensors": 1, "bytes": 4 * 12 * 32 * 2}
+    s = summary(manifest)
+    assert s["format_version"] == 2 and s["layers_with_fallback"] == 1 and s["fallback_bytes"] == 4 * 12 * 32 * 2
+    assert all(len(layer_row(m)["forms"]) == 1 for m in manifest.modules if not m.fallback)

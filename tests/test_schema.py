@@ -18,8 +18,74 @@ V1 = Path(__file__).parent / "fixtures" / "v1-checkpoint"
 
 
 def test_checked_in_json_schema_matches_the_types():
-    on_disk = json.loads((ROOT / "schemas" / "manifest-v1.schema.json").read_text())
+    on_disk = json.loads((ROOT / "schemas" / f"manifest-v{schema.FORMAT_VERSION}.schema.json").read_text())
     assert on_disk == schema.json_schema(), "run `make schema` and commit schemas/"
+
+
+def test_the_published_v1_schema_is_the_current_one_without_fallbacks():
+    """Version 2 only appended ``fallback`` to module records (msgspec's rules): v1's schema, as published, is
+    the current one without that field, so a version-1 manifest is read by both."""
+    v1 = json.loads((ROOT / "schemas" / "manifest-v1.schema.json").read_text())
+    current = schema.json_schema()
+    del current["$defs"]["ModuleRecord"]["properties"]["fallback"]
+    assert v1 == current
+
+
+def _v1_manifest_type() -> type:
+    """``schema.Manifest`` as version 1 had it: module records without ``fallback``, unknown fields refused."""
+    fields = [
+        (f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
+        for f in msgspec.structs.fields(schema.ModuleRecord)
+        if f.name != "fallback"
+    ]
+    v1_module = msgspec.defstruct("ModuleRecordV1", fields, kw_only=True, forbid_unknown_fields=True)
+    return msgspec.defstruct(
+        "ManifestV1",
+        [(f.name, list[v1_module] if f.name == "modules" else f.type) + (() if f.required else (f.default,))
+         for f in msgspec.structs.fields(schema.Manifest)],
+        kw_only=True,
+        forbid_unknown_fields=True,
+    )  # fmt: skip
+
+
+def _with_a_fallback(manifest: schema.Manifest) -> schema.Manifest:
+    """A copy whose first processed layer keeps its own tensors' records as a fallback (as if pre-step)."""
+    manifest = schema.decode_manifest(schema.encode_manifest(manifest))
+    module = next(m for m in manifest.modules if m.tensors)
+    module.state, module.replay = "processed", "cpu_unquantized_moe"
+    module.fallback = [msgspec.structs.replace(t, key=schema.fallback_name(t.key)) for t in module.tensors]
+    return manifest
+
+
+def test_a_manifest_without_fallbacks_encodes_as_version_1_did():
+    """No ``fallback`` key, so 0.3.0 (which refuses unknown fields) reads it, and older seals hold (the 0.2.0
+    fixtures' test below checks their bytes)."""
+    manifest = schema.decode_manifest((V1 / "model.manifest.json").read_bytes())
+    assert schema.required_format_version(manifest) == 1
+    assert b"fallback" not in schema.encode_manifest(manifest)
+    assert b"fallback" not in schema.canonical_bytes(manifest, "digest")
+    v1_reader = msgspec.json.Decoder(_v1_manifest_type())
+    assert v1_reader.decode(schema.encode_manifest(manifest))  # a reader without the field: no unknown field
+
+
+def test_fallbacks_need_version_2_and_are_encoded_and_sealed():
+    manifest = _with_a_fallback(_tiny_manifest())
+    assert schema.required_format_version(manifest) == schema.FALLBACKS_FORMAT_VERSION == 2
+    again = schema.decode_manifest(schema.encode_manifest(manifest))
+    assert again.modules == manifest.modules
+    before = schema.seal_hash(manifest, "digest")
+    manifest.modules[next(i for i, m in enumerate(manifest.modules) if m.fallback)].fallback[0].nbytes += 1
+    assert schema.seal_hash(manifest, "digest") != before
+    names = [name for name, _ in manifest.fallback_records()]
+    assert names and all(name.startswith(schema.FALLBACK_PREFIX) for name in names)
+    assert manifest.ordered_records()[-len(names) :] == manifest.fallback_records()
+
+
+def test_a_string_that_looks_like_an_empty_fallback_is_kept():
+    """Only the field is left out: inside a JSON string every quote is escaped, so the bytes differ."""
+    manifest = _tiny_manifest()
+    manifest.producer = 'x,"fallback":[]}'
+    assert schema.decode_manifest(schema.encode_manifest(manifest)).producer == manifest.producer
 
 
 def test_published_schema_carries_the_constraints():
@@ -42,7 +108,7 @@ def test_checked_in_v1_checkpoint_still_validates():
 
 
 def test_manifest_from_a_newer_format_is_refused_naming_both_versions():
-    with pytest.raises(ManifestVersionError, match=r"version 7 .* version 1"):
+    with pytest.raises(ManifestVersionError, match=rf"version 7 .* version {schema.FORMAT_VERSION} "):
         schema.decode_manifest(b'{"format_version": 7}')
 
 

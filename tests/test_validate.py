@@ -631,3 +631,67 @@ def test_an_old_unsealed_manifest_that_hides_an_encrypted_tensor_file_is_refused
     with pytest.raises(errors.IntegrityError, match="encrypted, its manifest says it is not"):
         with open_checked(manifest, manifest_path):
             pytest.fail("an encrypted file was opened as a plain one")
+
+
+@pytest.fixture(scope="module")
+def with_fallbacks(tmp_path_factory):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("fallbacks") / "ckpt", fallbacks=True)
+
+
+def test_raw_fallbacks_are_stored_after_every_layers_own_tensors_and_validated(with_fallbacks):
+    from tensorizer_manifest.tensor_file import read_index
+
+    manifest, path = load_manifest(with_fallbacks)
+    assert manifest.format_version == 2
+    (layer,) = [m for m in manifest.modules if m.fallback]
+    index = read_index(path.parent / manifest.tensor_file.path)
+    own = [index[t.key].data_offset for m in manifest.modules for t in m.tensors if t.key and not t.alias_of]
+    fallback = [index[t.key].data_offset for t in layer.fallback]
+    assert fallback and min(fallback) > max(own), "a load that needs no fallback reads one run and stops"
+    report = validate_checkpoint(with_fallbacks)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored == manifest.tensor_file.tensor_count
+    assert report.stored == len(own) + len(fallback)
+
+
+def test_damaged_fallback_bytes_are_caught_by_their_content_hash(with_fallbacks, tmp_path):
+    from tensorizer_manifest.tensor_file import read_index
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(with_fallbacks, d)
+    manifest, path = load_manifest(d)
+    key = next(m for m in manifest.modules if m.fallback).fallback[0].key
+    tensors = path.parent / manifest.tensor_file.path
+    entry = read_index(tensors)[key]
+    data = bytearray(tensors.read_bytes())
+    data[entry.data_offset + 5] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    report = validate_checkpoint(d)
+    assert [p.kind for p in report.problems] == [errors.IntegrityError]
+    assert key in report.problems[0].message and "content hash" in report.problems[0].message
+
+
+@pytest.mark.parametrize(
+    "edit, gist",
+    [
+        (lambda doc: doc.update(format_version=1), "format version 1 but holds raw fallbacks"),
+        (lambda doc: _fallback_layer(doc).update(state="raw", replay="post_load"), "is not a processed layer"),
+        (lambda doc: _fallback_layer(doc)["fallback"][0].update(alias_of="model.norm.weight", key=None), "alias"),
+        (lambda doc: _fallback_layer(doc)["fallback"][0].update(shape=[4, 13, 32]), "digest"),
+    ],
+    ids=["version-1-with-fallbacks", "fallback-on-a-raw-layer", "fallback-alias", "fallback-record-edited"],
+)
+def test_an_edited_fallback_is_refused(with_fallbacks, tmp_path, edit, gist):
+    d = tmp_path / "ckpt"
+    shutil.copytree(with_fallbacks, d)
+    path = d / "model.manifest.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    doc["seal"] = None  # resealing is the edit test's business: here the records themselves must be refused
+    path.write_text(json.dumps(doc))
+    report = validate_checkpoint(d)
+    assert not report.ok and any(gist in p.message for p in report.problems), report.problems
+
+
+def _fallback_layer(doc: dict) -> dict:
+    return next(m for m in doc["modules"] if m.get("fallback"))

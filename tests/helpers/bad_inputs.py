@@ -201,9 +201,9 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("manifest-json-array", _write(b"[1, 2]"), "ManifestError", "Expected `object`"),
     BadInput(
         "manifest-future-version",
-        _edit(_set(["format_version"], 2)),
+        _edit(_set(["format_version"], 3)),
         "ManifestVersionError",
-        "format version 2 is newer than the version 1",
+        "format version 3 is newer than the version 2",
     ),
     BadInput(
         "manifest-version-zero", _edit(_set(["format_version"], 0)), "ManifestError", r">= 1 - at `\$.format_version`"

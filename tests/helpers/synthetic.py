@@ -42,7 +42,8 @@ def _slots(module: torch.nn.Module) -> dict[str, TensorSlot]:
     return slots
 
 
-def make_capture(seed: int = 0, scale: int = 1) -> Capture:
+def make_capture(seed: int = 0, scale: int = 1, fallbacks: bool = False) -> Capture:
+    """With ``fallbacks``, also a processed experts layer in a machine-specific form with its raw fallback."""
     torch.manual_seed(seed)
     embed = torch.nn.Module()
     embed.weight = torch.nn.Parameter(torch.randn(64 * scale, 32).to(torch.bfloat16), requires_grad=False)
@@ -88,13 +89,34 @@ def make_capture(seed: int = 0, scale: int = 1) -> Capture:
         CapturedLayer("model.norm", norm, "processed", "none", _slots(norm), [], [], ""),
         CapturedLayer("lm_head", head, "processed", "cpu_unquantized_gemm", _slots(head), kernel, [], ""),
     ]
+    if fallbacks:
+        experts = torch.nn.Module()
+        experts.w13_weight = torch.nn.Parameter(torch.randn(4, 16, 32).to(torch.bfloat16), requires_grad=False)
+        raw = torch.nn.Module()  # the pre-step form: other shapes, as prepacking pads and reorders
+        raw.w13_weight = torch.nn.Parameter(torch.randn(4, 12, 32).to(torch.bfloat16), requires_grad=False)
+        layers.insert(
+            2,
+            CapturedLayer(
+                "model.layers.0.mlp.experts",
+                experts,
+                "processed",
+                "cpu_unquantized_moe",
+                _slots(experts),
+                [],
+                [],
+                "",
+                form={"experts_class": "CPUUnquantizedExperts", "isa": "vec", "zentorch": False},
+                verified=True,
+                fallback=_slots(raw),
+            ),
+        )
     return Capture(fingerprint=FINGERPRINT, layers=layers)
 
 
-def write_synthetic_checkpoint(out_dir: Path, seed: int = 0, scale: int = 1) -> Path:
+def write_synthetic_checkpoint(out_dir: Path, seed: int = 0, scale: int = 1, fallbacks: bool = False) -> Path:
     """Write the synthetic checkpoint into ``out_dir`` (a config.json too) and return it."""
     out_dir = Path(out_dir)
-    write_checkpoint(make_capture(seed, scale), out_dir, "model")
+    write_checkpoint(make_capture(seed, scale, fallbacks), out_dir, "model")
     (out_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
     return out_dir
 

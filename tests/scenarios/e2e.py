@@ -107,67 +107,15 @@ def main() -> None:
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}
     if not args.multiprocessing:
-        from vllm.model_executor.layers.attention.attention import Attention
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
+        from helpers.post_load import install_post_load_counter
 
         from tensorizer_manifest import replay as replay_module
 
-        patched = []
-        active: set[int] = set()
-
-        # Count the real post-load entry points of every quant method class in vLLM, and attention.
-        def patch(cls, label):
-            fn = cls.__dict__.get("process_weights_after_loading")
-            if fn is None:
-                return
-
-            def counting(self, layer, *a, __fn=fn, **k):
-                # One call per layer however deep the class chain goes (a method calling super() counts once).
-                outermost = id(layer) not in active
-                if outermost:
-                    counts[(label, getattr(layer, "_tm_path", "?"))] += 1
-                    active.add(id(layer))
-                try:
-                    return __fn(self, layer, *a, **k)
-                finally:
-                    if outermost:
-                        active.discard(id(layer))
-
-            cls.process_weights_after_loading = counting
-            patched.append((cls, fn))
-
-        def all_subclasses(cls):
-            for sub in cls.__subclasses__():
-                yield sub
-                yield from all_subclasses(sub)
-
-        import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
-
-        for cls in set(all_subclasses(QuantizeMethodBase)):
-            patch(cls, "quant_method")
-        # Attention layers' own step (plain attention, and MLA's, which is not a subclass of Attention).
-        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-        def patch_attention(cls):
-            fn = cls.__dict__["process_weights_after_loading"]
-
-            def attn_counting(self, act_dtype, __fn=fn):
-                counts[("attention", getattr(self, "_tm_path", "?"))] += 1
-                return __fn(self, act_dtype)
-
-            cls.process_weights_after_loading = attn_counting
-
-        for cls in (Attention, MLAAttention):
-            patch_attention(cls)
-        # Tag every layer with its path when replay is set up (before any step runs, overlapped or not),
-        # and keep every tensor once replay has finished.
+        counts = install_post_load_counter()
+        # Keep every tensor once replay has finished.
         Replayer = replay_module.Replayer
-        original_init, original_finish = Replayer.__init__, Replayer.finish
-
-        def tagging_init(self, model, *args, **kwargs):
-            for path, module in model.named_modules():
-                module._tm_path = path
-            original_init(self, model, *args, **kwargs)
+        original_finish = Replayer.finish
 
         def keeping_finish(self):
             report = original_finish(self)
@@ -180,7 +128,7 @@ def main() -> None:
             captured["kv_scales"] = kv_scale_floats(self.model)
             return report
 
-        Replayer.__init__, Replayer.finish = tagging_init, keeping_finish
+        Replayer.finish = keeping_finish
     result["manifest_tokens"], _, _ = generate_tokens(
         out_dir,
         "tensorizer_manifest",

@@ -1,0 +1,128 @@
+"""Load side: each layer's form, chosen before a byte of weights is read.
+
+A processed layer whose form belongs to one machine kind or one kernel may carry
+a raw fallback (``ModuleRecord.fallback``). This module decides, per layer and
+from the freshly built model alone, which of the two this engine loads: the
+processed form where this machine and this vLLM would produce it, else the raw
+fallback, which then replays as any raw layer does (vLLM's own step, once).
+The choice becomes an *effective manifest* in which the layers that fall back
+are plain raw records, so that everything after it (``load.check_model``, the
+reader, ``replay``) works on one form per layer and never sees the other. A
+processed layer that does not fit and has no fallback stays as it is, and
+``load.check_forms`` or ``fingerprint.check_compatible`` refuses it as before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from .fingerprint import PROCESSED_ONLY
+from .layers import find_kernels
+from .restorers import RESTORERS
+from .schema import REPLAY_POST_LOAD, Fingerprint, Manifest, ModuleRecord, kernel_map, qualified_class
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A layer loaded through its raw fallback, and why its processed form was not loaded."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """What ``choose_forms`` decided: the manifest to load, and the layers that fell back."""
+
+    manifest: Manifest
+    """The effective manifest: the saved one with every layer that falls back turned into a raw record."""
+    fallbacks: tuple[Fallback, ...] = ()
+    processed: int = 0
+    """Layers that have a fallback and load processed all the same (their form fits here)."""
+
+    def to_dict(self) -> dict:
+        """For the load report: how many layers load in each form, and why each fallback was taken."""
+        return {
+            "processed_with_fallback": self.processed,
+            "fallback": len(self.fallbacks),
+            "fallback_reasons": dict(Counter(f.reason for f in self.fallbacks)),
+            "fallback_layers": [f.path for f in self.fallbacks],
+        }
+
+
+def why_not_processed(
+    record: ModuleRecord, module: torch.nn.Module, saved: Fingerprint, current: Fingerprint
+) -> str | None:
+    """Why this engine cannot load ``record``'s processed form into the freshly built ``module``; None when it can.
+
+    In order: the engine (a kernel-specific form needs the saving vLLM, device and backends), the layout
+    this machine's kernels would write (``Restorer.form``), the kernels the model was built with, and
+    whether the restorer is verified on this device kind.
+    """
+    restorer = RESTORERS.get(record.replay)
+    if restorer is None:
+        return f"no restorer {record.replay!r} in this tensorizer-manifest"
+    if not restorer.kernel_independent:
+        engine = [(name, getattr(saved, name), getattr(current, name)) for name in PROCESSED_ONLY]
+        changed = [(name, was, now) for name, was, now in engine if was != now]
+        if changed:
+            return "saved by an engine with " + ", ".join(
+                f"{name} {was!r} (this engine: {now!r})" for name, was, now in changed
+            )
+    here = restorer.form(module)
+    if here != record.form:
+        return f"form {record.form} recorded, this machine gives {here}"
+    fresh = kernel_map(find_kernels(module))
+    for (owner, attr), saved_class in kernel_map(record.kernels).items():
+        now = fresh.get((owner, attr))
+        if now is not None and now != saved_class:
+            return f"kernel {owner}.{attr} {saved_class} recorded, this engine builds {now}"
+    if record.verified is not False and not restorer.verified_for(current.device_type):
+        return f"restorer {restorer.name} is not verified on {current.device_type}"
+    return None
+
+
+def as_raw(record: ModuleRecord) -> ModuleRecord:
+    """The record of a layer loaded through its fallback: raw, its tensors the fallback's, replayed by vLLM's step.
+
+    The runtime state recorded is the processed form's, which vLLM's step on this machine need not repeat
+    (another experts class has other attributes): it is not checked. The kernels are, as for any raw layer,
+    only reported where they changed.
+    """
+    return msgspec.structs.replace(
+        record,
+        state="raw",
+        replay=REPLAY_POST_LOAD,
+        tensors=record.fallback,
+        runtime_state=[],
+        form={},
+        verified=None,
+        fallback=[],
+    )
+
+
+def choose_forms(manifest: Manifest, model: torch.nn.Module, current: Fingerprint) -> FormChoice:
+    """Each layer with a fallback: processed where it fits here, else its fallback (``why_not_processed``)."""
+    if not any(m.fallback for m in manifest.modules):
+        return FormChoice(manifest)
+    built = dict(model.named_modules())
+    modules: list[ModuleRecord] = []
+    fallbacks: list[Fallback] = []
+    processed = 0
+    for record in manifest.modules:
+        module = built.get(record.path)
+        if not record.fallback or module is None or qualified_class(module) != record.module_class:
+            modules.append(record)  # nothing to choose, or a model that does not match: check_model says how
+            continue
+        reason = why_not_processed(record, module, manifest.fingerprint, current)
+        if reason is None:
+            processed += 1
+            modules.append(msgspec.structs.replace(record, fallback=[]))
+        else:
+            fallbacks.append(Fallback(record.path, reason))
+            modules.append(as_raw(record))
+    return FormChoice(msgspec.structs.replace(manifest, modules=modules), tuple(fallbacks), processed)

@@ -1,0 +1,94 @@
+"""Load one checkpoint as three machines would, and once damaged, counting what is read and which steps run.
+
+Usage: python tests/scenarios/fallbacks.py CHECKPOINT WORKDIR KIND
+
+- ``as-saved``: the checkpoint as saved here: every layer's processed form fits.
+- ``other-form``: its first layer with a fallback records the other x86 machine's form (the ISA flipped, as
+  an AMX machine saves what an AVX-512 one would not produce, and the other way round), re-sealed: that
+  layer alone must load through its fallback, the rest processed.
+- ``older-vllm``: the fingerprint says vLLM 0.31.0 saved it (re-sealed): every layer whose processed form
+  is kernel-specific must load through its fallback (the policy of ``fingerprint.PROCESSED_ONLY``).
+- ``other-form-damaged``: as ``other-form``, with one byte of that layer's fallback flipped: refused.
+
+Each case runs on real vLLM in this process with vLLM's post-load steps counted per layer and every tensor
+the reader hands out counted; prints ``FALLBACKS_RESULT {json}`` (vLLM's log, on stdout, names each
+checkpoint's manifest in its lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    checkpoint, workdir, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from helpers.errors import error_summary
+    from helpers.other_machine import as_the_other_machine, edited_copy
+    from helpers.post_load import install_post_load_counter
+
+    from tensorizer_manifest import schema, tensor_file
+    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.tiny import engine_args
+
+    counts = install_post_load_counter()
+    read: dict[str, list] = {"keys": []}
+    stream = tensor_file.TensorFileReader.stream
+
+    def counting_stream(self, *args, **kwargs):
+        for key, tensor in stream(self, *args, **kwargs):
+            read["keys"].append([key, tensor.numel() * tensor.element_size()])
+            yield key, tensor
+
+    tensor_file.TensorFileReader.stream = counting_stream
+
+    def other_form(manifest):
+        as_the_other_machine(manifest, layers=1)
+
+    def older_vllm(manifest):
+        manifest.fingerprint.vllm_version = "0.31.0"
+
+    cases = {
+        "as-saved": checkpoint,
+        "other-form": edited_copy(checkpoint, workdir / f"{kind}-other-form", other_form),
+        "older-vllm": edited_copy(checkpoint, workdir / f"{kind}-older-vllm", older_vllm),
+        "other-form-damaged": edited_copy(checkpoint, workdir / f"{kind}-damaged", other_form, damage=True),
+    }
+    result: dict = {}
+    for name, path in cases.items():
+        counts.clear()
+        read["keys"] = []
+        report: dict = {}
+        entry: dict = {"error": None}
+        try:
+            entry["tokens"] = generate_tokens(path, "tensorizer_manifest", report=report, **engine_args(kind))[0]
+        except Exception as exc:  # noqa: BLE001
+            found = error_summary(exc)
+            entry["error"] = f"{found['error']}: {found['message']}"
+        manifest = schema.decode_manifest((path / "model.manifest.json").read_bytes())
+        entry["forms"] = report.get("forms")
+        entry["post_load_counts"] = {f"{label}:{layer}": n for (label, layer), n in counts.items()}
+        entry["keys_read"] = read["keys"]
+        entry["bytes_read"] = report.get("bytes_read")
+        entry["layers"] = {
+            m.path: {
+                "state": m.state,
+                "replay": m.replay,
+                "keys": [t.key for t in m.tensors if t.key is not None and t.alias_of is None],
+                "fallback_keys": [t.key for t in m.fallback],
+                "fallback_bytes": sum(t.nbytes for t in m.fallback),
+            }
+            for m in manifest.modules
+        }
+        result[name] = entry
+    print("FALLBACKS_RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,153 @@
+"""Raw fallbacks on real vLLM: one checkpoint loads processed where its form fits, through vLLM's step elsewhere.
+
+A layer saved processed in a form that one machine kind or one kernel produces keeps its raw tensors beside it
+(by default). ``scenarios/fallbacks.py`` loads the saved checkpoint as it is, as the other x86 machine would see
+it (its first such layer records the other ISA), and as a newer vLLM would see it (the fingerprint says 0.31.0),
+counting vLLM's steps per layer and every tensor read. The flipped AMX probe (``scenarios/other_machine.py``)
+is the other machine itself, where this CPU can run what that machine picks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import kind_param, run_script
+
+pytestmark = pytest.mark.e2e
+
+#: Kinds whose expensive layers save processed in a machine-specific form, and their restorer.
+MACHINE_SPECIFIC = {"qwen3-moe": "cpu_unquantized_moe", "gptq-w4": "cpu_wna16"}
+
+
+def _has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.fixture(scope="module", params=[kind_param(k) for k in MACHINE_SPECIFIC])
+def loads(request, scenarios, e2e_dir):
+    kind = request.param
+    saved = scenarios.e2e(kind)
+    result = run_script("scenarios/fallbacks.py", saved["checkpoint"], str(e2e_dir), kind, marker="FALLBACKS_RESULT",
+                        output=True)  # fmt: skip
+    return kind, saved, result
+
+
+def _fallback_warnings(result: dict, case: str) -> list[str]:
+    """vLLM's log lines of the load of ``case`` that tell of fallbacks (each names the case's manifest)."""
+    lines = result["_output"].splitlines()
+    return [line for line in lines if f"-{case}/model.manifest.json" in line and "raw fallback" in line]
+
+
+def _with_fallback(entry: dict) -> dict[str, dict]:
+    return {path: layer for path, layer in entry["layers"].items() if layer["fallback_keys"]}
+
+
+def _steps_on(entry: dict, paths) -> dict[str, int]:
+    return {key: n for key, n in entry["post_load_counts"].items() if key.split(":", 1)[1] in paths}
+
+
+def test_saved_with_the_defaults_machine_specific_layers_keep_a_fallback(loads):
+    kind, saved, result = loads
+    layers = result["as-saved"]["layers"]
+    with_fallback = _with_fallback(result["as-saved"])
+    assert with_fallback, "the defaults keep raw fallbacks of machine-specific layers"
+    for path, layer in layers.items():
+        if layer["fallback_keys"]:
+            assert layer["state"] == "processed" and layer["replay"] == MACHINE_SPECIFIC[kind], path
+        elif layer["state"] == "processed" and layer["replay"] == MACHINE_SPECIFIC[kind]:
+            pytest.fail(f"{path}: a machine-specific processed layer without a fallback")
+    assert all(saved["layers"][p]["form"] for p in with_fallback)
+
+
+def test_where_the_form_fits_only_the_processed_form_is_read(loads):
+    _, saved, result = loads
+    entry = result["as-saved"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["fallback"] == 0 and entry["forms"]["processed_with_fallback"] == len(_with_fallback(entry))
+    wanted = {k for layer in entry["layers"].values() for k in layer["keys"]}
+    read = [key for key, _ in entry["keys_read"]]
+    assert sorted(read) == sorted(wanted), "every layer's own tensors once, no fallback's"
+    assert not _steps_on(entry, _with_fallback(entry)), "processed layers never see vLLM's step"
+    manifest = f"{saved['checkpoint']}/model.manifest.json"
+    assert not [line for line in result["_output"].splitlines() if manifest in line and "raw fallback" in line]
+
+
+def test_a_layer_whose_form_this_machine_would_not_produce_loads_through_its_fallback(loads):
+    """The other machine's form on one layer: that layer alone falls back, token-exact, vLLM's step once."""
+    _, saved, result = loads
+    entry = result["other-form"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    with_fallback = _with_fallback(entry)
+    edited = next(iter(with_fallback))  # the scenario edits the first
+    assert entry["forms"]["fallback_layers"] == [edited]
+    (reason,) = entry["forms"]["fallback_reasons"]
+    assert "recorded, this machine gives" in reason
+    assert _steps_on(entry, {edited}) == {f"quant_method:{edited}": 1}
+    (warning,) = _fallback_warnings(result, "other-form")  # no silent fallback: vLLM's log says it
+    assert "1 processed layer(s) loaded through their raw fallback" in warning and reason in warning
+    assert not _steps_on(entry, set(with_fallback) - {edited})
+    wanted = {k for layer in entry["layers"].values() for k in layer["keys"]}
+    wanted = wanted - set(entry["layers"][edited]["keys"]) | set(entry["layers"][edited]["fallback_keys"])
+    assert sorted(key for key, _ in entry["keys_read"]) == sorted(wanted), "only the chosen form's tensors"
+
+
+def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(loads):
+    _, saved, result = loads
+    entry = result["older-vllm"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    with_fallback = _with_fallback(entry)
+    assert sorted(entry["forms"]["fallback_layers"]) == sorted(with_fallback)
+    (reason,) = entry["forms"]["fallback_reasons"]
+    assert "vllm_version '0.31.0'" in reason
+    (warning,) = _fallback_warnings(result, "older-vllm")
+    assert f"{len(with_fallback)} processed layer(s) loaded through their raw fallback" in warning
+    assert _steps_on(entry, with_fallback) == {f"quant_method:{p}": 1 for p in with_fallback}
+    read = {key for key, _ in entry["keys_read"]}
+    assert not read & {k for p in with_fallback for k in entry["layers"][p]["keys"]}
+    assert read >= {k for p in with_fallback for k in entry["layers"][p]["fallback_keys"]}
+    assert entry["bytes_read"] == sum(n for _, n in entry["keys_read"])
+
+
+def test_without_fallbacks_the_other_machine_refuses_before_reading(scenarios, e2e_dir):
+    """``--no-fallbacks``: only the processed form, and the other machine kind refuses it as before."""
+    saved = scenarios.e2e("qwen3-moe")
+    out = Path(e2e_dir) / "qwen3-moe-no-fallbacks"
+    model_dir = Path(saved["checkpoint"]).parent / "tiny-qwen3-moe"
+    cli = Path(sys.executable).with_name("tensorizer-manifest")
+    subprocess.run([str(cli), "save", str(model_dir), str(out), "--dtype", "bfloat16", "--no-fallbacks"],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    result = run_script("scenarios/other_machine.py", str(out), marker="OTHER_MACHINE_RESULT")
+    assert result["error"] == "CompatibilityError", result
+    assert "saved processed in the layout" in result["message"] and "--portable" in result["message"]
+    assert result["tensors_read"] == 0
+
+
+@pytest.mark.skipif(
+    not _has_amx(),
+    reason="loading as the other machine runs that machine's kernels: a CPU without AMX cannot run the AMX ones "
+    "it would pick with the probe flipped (the other-form case above shows the fallback path on this CPU)",
+)
+@pytest.mark.parametrize("kind", [kind_param(k) for k in ("gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe")])
+def test_the_other_machine_loads_the_defaults_token_exact(scenarios, kind):
+    saved = scenarios.e2e(kind)
+    model_dir = str(Path(saved["checkpoint"]).parent / f"tiny-{kind}")
+    other = run_script("scenarios/other_machine.py", saved["checkpoint"], "--reference", model_dir,
+                       marker="OTHER_MACHINE_RESULT")  # fmt: skip
+    assert other["error"] is None, other
+    assert other["tokens"] == other["reference_tokens"]
+
+
+def test_a_damaged_fallback_is_caught_by_its_content_hash_and_nothing_is_served(loads):
+    _, _, result = loads
+    entry = result["other-form-damaged"]
+    assert entry["error"] is not None and entry["error"].startswith("IntegrityError"), entry["error"]
+    assert "content hash of" in entry["error"] and "does not match" in entry["error"]
+    assert "tokens" not in entry
