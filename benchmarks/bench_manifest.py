@@ -163,7 +163,8 @@ def stats(seconds: list[float], per: int = 1) -> dict:
 
 
 def bench_phases(sizes: list[int], rounds: int) -> list[dict]:
-    from tensorizer_manifest.validate import check_manifest, check_seal
+    from tensorizer_manifest.checks.records import check_manifest
+    from tensorizer_manifest.checks.seal import check_seal
 
     typed = msgspec.json.Decoder(Manifest)
     cases = []

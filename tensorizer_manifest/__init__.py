@@ -36,10 +36,11 @@ from .remote import RemoteOptions, fetch_model_files, upload_checkpoint
 from .schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
 
 if TYPE_CHECKING:
+    from .checks.report import Problem, ValidationReport
     from .restorers import Restorer
     from .restorers import register as register_restorer
     from .save import SaveOptions, SaveResult, save_checkpoint
-    from .validate import Problem, ValidationReport, validate_checkpoint
+    from .validate import validate_checkpoint
 
 #: Public names that import torch (and some vLLM) when first used: name -> (module, attribute).
 _LAZY: dict[str, tuple[str, str]] = {

@@ -1,8 +1,8 @@
 """``validate --engine``: build the model vLLM would build (on the meta device, no weights) and compare.
 
-This is the loader's own pre-weight check (fingerprint policy, and every layer's
-class, quant method, kernels and raw tensor shapes), run without starting an
-engine or reading a byte of tensor data.
+This is the loader's own pre-weight check (fingerprint policy, each layer's form
+chosen, and every layer's class, quant method, kernels and raw tensor shapes),
+run without starting an engine or reading a byte of tensor data.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from pathlib import Path
 
 from ._constants import LOAD_FORMAT
 from .checkpoint import read_manifest
+from .checks.report import Problem
 from .errors import TensorizerManifestError
 from .fingerprint import check_compatible, engine_fingerprint
+from .forms import choose_forms
 from .load import check_model
-from .validate import Problem
 
 
 def check_against_engine(
@@ -54,10 +55,11 @@ def check_against_engine(
         initialize_model_parallel(1, 1)
         model_config = vllm_config.model_config
         try:
-            check_compatible(fp, engine_fingerprint(vllm_config), manifest, str(manifest_path))
+            fingerprint = engine_fingerprint(vllm_config)
+            check_compatible(fp, fingerprint, manifest, str(manifest_path))
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-            check_model(manifest, model)
+            check_model(choose_forms(manifest, model, fingerprint).manifest, model)  # as the loader: one form a layer
         except TensorizerManifestError as exc:
             return [Problem(type(exc), str(manifest_path), str(exc))]
     return []

@@ -26,6 +26,7 @@ from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from .capture import Capture, CapturePolicy, Recorder
 from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, signing_key_from
+from .checks.seal import unsealed_warning
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .forms import choose_forms
@@ -34,7 +35,7 @@ from .options import S3Options, describe_validation_error
 from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX
-from .validate import open_checked, unsealed_warning
+from .validate import open_checked
 from .write import write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"

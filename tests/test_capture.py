@@ -122,3 +122,22 @@ def test_policy_unverified_restorers_save_raw_unless_the_user_opts_in(copies):
     assert refused.state == "raw" and "not verified on tpu" in refused.reason
     opted_in = classify("proj", layer, before, after, CapturePolicy(device_type="tpu", allow_unverified=True))
     assert (opted_in.state, opted_in.replay, opted_in.verified) == ("processed", "cpu_unquantized_gemm", False)
+
+
+def test_a_layer_in_a_machine_or_kernel_specific_form_keeps_its_pre_step_tensors_as_a_fallback(copies, monkeypatch):
+    """``cpu_unquantized_gemm`` is kernel-independent with an empty form: nothing to fall back to. Made
+    machine-specific (a form) or kernel-specific, the same layer keeps its pre-step copies, unless told not to."""
+    from tensorizer_manifest.capture import CapturePolicy
+    from tensorizer_manifest.restorers import RESTORERS
+
+    layer, before, after = _linear_after_dispatch(copies)
+    assert classify("proj", layer, before, after).fallback == {}
+    gemm = type(RESTORERS["cpu_unquantized_gemm"])
+    monkeypatch.setattr(gemm, "form", lambda self, module: {"isa": "vec"})
+    kept = classify("proj", layer, before, after)
+    assert kept.state == "processed" and kept.fallback is before.tensors
+    assert kept.fallback["weight"].stored is not None, "the pre-step copy, not the live (processed) tensor"
+    assert classify("proj", layer, before, after, CapturePolicy(fallbacks=False)).fallback == {}
+    monkeypatch.setattr(gemm, "form", lambda self, module: {})
+    monkeypatch.setattr(gemm, "kernel_independent", False)
+    assert classify("proj", layer, before, after).fallback is before.tensors

@@ -155,7 +155,7 @@ def test_quantized_and_moe_layers_save_processed_and_skip_the_step(scenarios, ki
 @pytest.mark.skipif(
     not _has_amx(),
     reason="generating as the other machine runs that machine's kernels: a CPU without AMX cannot run the AMX "
-    "ones it would pick with the probe flipped (the refusal test above still runs here)",
+    "ones it would pick with the probe flipped (the --no-fallbacks refusal in test_e2e_fallbacks.py still runs here)",
 )
 def test_portable_checkpoint_is_all_raw_and_loads_on_the_other_machine(scenarios):
     result = scenarios.e2e("gptq-w4", "--portable")

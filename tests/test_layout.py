@@ -126,6 +126,8 @@ def test_every_module_with_logic_has_its_own_test_file():
     for name in MODULES:
         if name.startswith("tensorizer_manifest.restorers"):
             expected = "test_restorers"
+        elif name.startswith("tensorizer_manifest.checks"):
+            expected = "test_checks"  # one file for the folder, as for restorers/
         else:
             expected = shared.get(name, "test_" + name.rsplit(".", 1)[-1].lstrip("_"))
         if not (tests / f"{expected}.py").is_file():

@@ -246,3 +246,24 @@ def test_a_transfer_cut_short_is_a_typed_error(checkpoint):
 def test_writing_to_http_is_refused(checkpoint):
     with pytest.raises(ConfigurationError, match="only s3://"):
         upload_checkpoint(checkpoint, "https://host/prefix")
+
+
+@pytest.mark.parametrize("num_readers", [1, 2])
+def test_a_remote_read_of_one_form_skips_the_other(moto_s3, tmp_path, num_readers):
+    """The loader names the tensors of each layer's chosen form; over S3 too only those arrive, intact."""
+    from tensorizer_manifest.checkpoint import load_manifest
+    from tensorizer_manifest.tensor_file import TensorFileReader
+    from tensorizer_manifest.tensors import hash_tensor
+
+    local = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    uri, options = fresh_prefix(), options_for(moto_s3)
+    upload_checkpoint(local, uri, options)
+    manifest, _ = load_manifest(local)
+    own = {t.key: t for m in manifest.modules for t in m.tensors if t.key and not t.alias_of}
+    fallbacks = {t.key: t for m in manifest.modules for t in m.fallback}
+    layer = next(m for m in manifest.modules if m.fallback)
+    chosen = {k: t for k, t in own.items() if not k.startswith(layer.path + ".")} | fallbacks
+    with TensorFileReader(RemoteDir(uri, options) / manifest.tensor_file.path, num_readers=num_readers) as reader:
+        got = dict(reader.stream(keys=chosen))
+    assert sorted(got) == sorted(chosen)
+    assert all(hash_tensor(got[k]) == t.hash for k, t in chosen.items())

@@ -254,3 +254,31 @@ def test_headers_and_index_of_an_encrypted_file_stay_plain_so_prefix_and_head_ha
     with pytest.raises(IntegrityError, match="decryption failed"):
         with TensorFileReader(secret, encryption_key=_key()) as reader:
             list(reader.stream())
+
+
+def _bytes_read_by_this_process() -> int:
+    """``rchar`` of /proc/self/io: every byte this process's read calls returned, from disk or page cache."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.parametrize("num_readers", [1, 2])
+def test_a_stream_of_some_keys_seeks_past_the_others_bytes(tmp_path, num_readers):
+    """A layer's other form is skipped in the file, not read and dropped: the process reads a fraction of it."""
+    from tensorizer_manifest.tensor_file import TensorFileReader, write_tensor_file
+
+    big = 32 << 20
+    tensors = [("a", torch.arange(1024, dtype=torch.float32)), ("other:a", torch.ones(big // 4, dtype=torch.float32)),
+               ("b", torch.arange(2048, dtype=torch.int32))]  # fmt: skip
+    path = tmp_path / "t.tensors"
+    write_tensor_file(path, iter(tensors))
+    with TensorFileReader(path, num_readers=num_readers) as reader:
+        before = _bytes_read_by_this_process()
+        got = dict(reader.stream(keys=["a", "b"]))
+        read = _bytes_read_by_this_process() - before
+    assert sorted(got) == ["a", "b"] and torch.equal(got["b"], tensors[2][1])
+    assert read < big // 8, f"{read} bytes read for 12 KB of wanted tensors beside 32 MB of others"
+    with TensorFileReader(path, num_readers=num_readers) as reader:
+        before = _bytes_read_by_this_process()
+        assert len(dict(reader.stream())) == 3
+        assert _bytes_read_by_this_process() - before >= big  # the measure sees a full read

@@ -1,0 +1,187 @@
+"""A tensor file against its manifest: its exact size, then its prefix (tensorizer's header and index, read
+plainly before tensorizer parses a byte), its head hash and tensorizer's index (every record present once,
+the same dtype, shape and length, inside the file, not overlapping); content hashes last, one tensor at a
+time, of the plaintext. A remote file gets the same checks with ranged reads."""
+
+from __future__ import annotations
+
+import itertools
+
+from ..checkpoint import (
+    FileLocation,
+    file_size,
+)
+from ..errors import (
+    IntegrityError,
+    ManifestError,
+    RemoteStorageError,
+    TensorizerManifestError,
+)
+from ..progress import ProgressCallback, ProgressCounter
+from ..schema import (
+    EncryptionKey,
+    Manifest,
+    TensorRecord,
+)
+from ..tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
+from ..tensors import hash_tensor
+from .report import Problem
+
+
+def check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
+    """File-level checks from metadata only: size, prefix, head hash, tensorizer's index.
+
+    A remote file that cannot be read is one problem of its ``RemoteStorageError`` kind.
+    """
+    try:
+        problems = check_before_parsing(manifest, tensor_path, by_key)
+        if problems:
+            return problems  # tensorizer never sees a file whose header and index are not the saved ones
+        try:
+            index = read_index(tensor_path, encrypted=manifest.tensor_file.encryption != "none")
+        except RemoteStorageError:
+            raise
+        except Exception as exc:  # tensorizer raises many kinds on a damaged file
+            return [
+                Problem(
+                    IntegrityError,
+                    str(tensor_path),
+                    f"tensorizer cannot read the file's index ({type(exc).__name__}: {exc}): "
+                    "the file's header does not match the manifest",
+                )
+            ]
+        return check_index(manifest, tensor_path, by_key, index)
+    except RemoteStorageError as exc:
+        return [Problem(type(exc), str(tensor_path), str(exc))]
+
+
+def check_before_parsing(
+    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
+) -> list[Problem]:
+    """What plain reads can check before tensorizer parses a byte: the size, then the prefix."""
+    where = str(tensor_path)
+    size = file_size(tensor_path)
+    if size != manifest.tensor_file.size:
+        return [
+            Problem(
+                IntegrityError,
+                where,
+                f"{size} bytes, the manifest says {manifest.tensor_file.size}: "
+                "the file is truncated, padded or from another save",
+            )
+        ]
+    total = sum(r.nbytes for r in by_key.values())
+    if total > size:
+        return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
+    prefix = _check_prefix(manifest, tensor_path, size)
+    return [prefix] if prefix is not None else []
+
+
+def check_index(
+    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord], index: dict[str, IndexEntry]
+) -> list[Problem]:
+    """tensorizer's index of the file (already parsed) and the bytes around the data against the manifest."""
+    where, size = str(tensor_path), manifest.tensor_file.size  # the size was checked before parsing
+    problems: list[Problem] = []
+    if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index) != manifest.tensor_file.head_hash:
+        problems.append(
+            Problem(
+                IntegrityError,
+                where,
+                "the file's header does not match the manifest (tensorizer's index or a tensor header differs): "
+                "it belongs to another checkpoint or is damaged",
+            )
+        )
+    for key in sorted(set(by_key) - set(index)):
+        problems.append(Problem(IntegrityError, where, f"tensor {key!r} is in the manifest but not in the file"))
+    for key in sorted(set(index) - set(by_key)):
+        problems.append(Problem(IntegrityError, where, f"tensor {key!r} is in the file but not in the manifest"))
+    spans = []
+    for key in sorted(set(index) & set(by_key)):
+        record, entry = by_key[key], index[key]
+        if entry.dtype != record.dtype or entry.shape != record.shape:
+            problems.append(
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} is {entry.dtype}{entry.shape} in the file, "
+                    f"{record.dtype}{record.shape} in the manifest",
+                )
+            )
+        if entry.data_length != record.nbytes:
+            problems.append(
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} has {entry.data_length} bytes in the file, {record.nbytes} in the manifest",
+                )
+            )
+        end = entry.data_offset + entry.data_length
+        if entry.data_offset < 0 or end > size:
+            problems.append(
+                Problem(
+                    IntegrityError,
+                    where,
+                    f"tensor {key!r} lies outside the file ({entry.data_offset}+{entry.data_length} > {size})",
+                )
+            )
+        spans.append((entry.data_offset, end, key))
+    spans.sort()
+    for (_, end1, key1), (start2, _, key2) in itertools.pairwise(spans):
+        if start2 < end1:
+            problems.append(Problem(IntegrityError, where, f"tensors {key1!r} and {key2!r} overlap in the file"))
+    return problems
+
+
+def _check_prefix(manifest: Manifest, tensor_path: FileLocation, size: int) -> Problem | None:
+    """tensorizer's file header and index against the manifest, with plain reads of at most the file's size.
+
+    tensorizer believes the size fields it finds there (a damaged index length
+    makes it allocate what it claims), so they are checked before it opens the
+    file. Manifests of 0.2.0 and older have no prefix: tensorizer reads their index unchecked.
+    """
+    ref, where = manifest.tensor_file, str(tensor_path)
+    if ref.prefix_size is None and ref.prefix_hash is None:
+        return None
+    if ref.prefix_size is None or ref.prefix_hash is None:
+        return Problem(ManifestError, where, "prefix_size and prefix_hash are recorded together or not at all")
+    if ref.prefix_size > size:
+        return Problem(IntegrityError, where, f"the manifest's prefix_size {ref.prefix_size} is past the file's end")
+    if prefix_hash(tensor_path, ref.prefix_size) != ref.prefix_hash:
+        return Problem(
+            IntegrityError,
+            where,
+            "the file's header does not match the manifest (tensorizer's file header or index differs; "
+            "checked before tensorizer reads it): it belongs to another checkpoint or is damaged",
+        )
+    return None
+
+
+def check_hashes(
+    tensor_path: FileLocation,
+    by_key: dict[str, TensorRecord],
+    encryption_key: EncryptionKey | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[list[Problem], int]:
+    """Read every stored tensor (tensorizer's parallel readers, in file order; decrypted with ``encryption_key``)
+    and check its content hash."""
+    where = str(tensor_path)
+    problems: list[Problem] = []
+    checked = 0
+    counter = ProgressCounter(progress, len(by_key), sum(r.nbytes for r in by_key.values()))
+    try:
+        with TensorFileReader(tensor_path, encryption_key=encryption_key) as reader:
+            for key, tensor in reader.stream():
+                checked += 1
+                counter.advance(by_key[key].nbytes)
+                if hash_tensor(tensor) != by_key[key].hash:
+                    problems.append(
+                        Problem(
+                            IntegrityError,
+                            where,
+                            f"tensor {key!r}: content hash does not match the manifest (the data is damaged)",
+                        )
+                    )
+    except TensorizerManifestError as exc:
+        problems.append(Problem(type(exc), where, str(exc)))
+    return problems, checked
