@@ -516,6 +516,11 @@ def save(
             f"{rank['raw_layers']} raw{', encrypted' if rank.get('encryption', 'none') != 'none' else ''}) "
             f"and {Path(rank['manifest']).name}"
         )
+        if rank.get("fallback_layers"):
+            console().print(
+                f"  {rank['fallback_layers']} layers in a machine- or kernel-specific form keep a raw fallback "
+                f"({rank['fallback_bytes']:,} bytes; --no-fallbacks leaves it out)"
+            )
     console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
     extra = (
         ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"

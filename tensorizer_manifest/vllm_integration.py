@@ -399,6 +399,8 @@ class ManifestWorkerExtension:
             "bytes": manifest.tensor_file.size,
             "layers": len(manifest.modules),
             "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
+            "fallback_layers": sum(1 for m in manifest.modules if m.fallback),
+            "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
             "seal": manifest.seal.mode if manifest.seal is not None else None,
             "encryption": manifest.tensor_file.encryption,
         }
