@@ -215,3 +215,37 @@ class Recorder:
             if layer.tensors or layer.runtime_state or layer.kernels:
                 layers.append(layer)
         return layers
+
+
+class FallbackRecorder:
+    """For ``add-form``: the layers a load takes through their raw fallback, observed around vLLM's step.
+
+    ``layer_ready`` snapshots such a layer once its fallback tensors are in, before vLLM's step runs on it
+    (references only: its pre-step bytes are the fallback, already in the checkpoint); ``finish`` classifies
+    each as a save does, so that the processed form this engine made is kept where a verified restorer
+    covers it, ready to be added to the checkpoint (``write.write_added_form``).
+    """
+
+    def __init__(self, model: torch.nn.Module, paths: set[str], device_type: str):
+        self.model = model
+        self.paths = paths
+        self.policy = CapturePolicy(device_type=device_type, fallbacks=False)
+        self.before: dict[str, ModuleSnapshot] = {}
+
+    def layer_ready(self, path: str, module: torch.nn.Module) -> None:
+        if path in self.paths:
+            self.before[path] = snapshot_module(module, None)
+
+    def finish(self, fingerprint: Fingerprint, stem: str) -> tuple[Capture, dict[str, str]]:
+        """The processed layers to add, and why each other fallback layer cannot be (no restorer covers it)."""
+        layers, not_added = [], {}
+        for path, module in self.model.named_modules():
+            if path not in self.paths:
+                continue
+            layer = classify(path, module, self.before[path], snapshot_module(module, None), self.policy)
+            if layer.state == "processed" and layer.replay != REPLAY_NONE:
+                layers.append(layer)
+            else:
+                not_added[path] = layer.reason
+        self.before = {}
+        return Capture(fingerprint=fingerprint, layers=layers, stem=stem), not_added

@@ -23,7 +23,7 @@ from .errors import (
     TensorizerManifestError,
 )
 from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
-from .schema import MANIFEST_SUFFIX, EncryptionKey, Manifest, SigningKey, decode_manifest
+from .schema import MANIFEST_SUFFIX, EncryptionKey, Manifest, SigningKey, TensorFileRef, decode_manifest
 
 _Key = TypeVar("_Key", SigningKey, EncryptionKey)
 
@@ -169,9 +169,12 @@ def read_manifest(
     return load_manifest(path, stem, remote)[0]
 
 
-def resolve_tensor_file(manifest: Manifest, manifest_path: FileLocation) -> FileLocation:
-    """The tensor file: a plain name inside the checkpoint directory (or beside a remote manifest), no link out."""
-    name = manifest.tensor_file.path
+def resolve_tensor_file(
+    manifest: Manifest, manifest_path: FileLocation, ref: TensorFileRef | None = None
+) -> FileLocation:
+    """The tensor file (``ref``'s, an added form's; by default the manifest's own): a plain name inside the
+    checkpoint directory (or beside a remote manifest), no link out."""
+    name = (ref or manifest.tensor_file).path
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("~") or "\0" in name:
         raise ManifestError(
             f"{manifest_path}: tensor file {name!r} must be a plain file name inside the checkpoint directory"

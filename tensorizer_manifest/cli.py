@@ -536,6 +536,52 @@ def save(
         console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest'{extra})")
 
 
+@app.command("add-form")
+@click.argument("checkpoint", type=_PATH)
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
+@click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
+@click.option("--encryption-key-file", type=_PATH, default=None, help="An encrypted checkpoint's key.")
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def add_form_command(
+    checkpoint: Path,
+    engine_arg: tuple[str, ...],
+    signing_key_file: Path | None,
+    encryption_key_file: Path | None,
+    json: bool,
+) -> None:
+    """Add this machine's processed form to CHECKPOINT (a local directory saved with raw fallbacks).
+
+    Loads it here with vLLM (the saved engine settings), runs vLLM's step on every layer whose saved form
+    this machine or this vLLM would not produce, and adds the result as a tensor file and manifest entries
+    of its own, sealed again. From then on this machine kind loads those layers processed."""
+    from .add_form import add_form
+
+    try:
+        result = add_form(
+            checkpoint,
+            engine_args=parse_engine_args(engine_arg),
+            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
+            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+        )
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    if json:
+        console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
+        return
+    for rank in result.ranks:
+        if rank["tensor_file"]:
+            console().print(
+                f"added the form of {len(rank['added'])} layers made here: {rank['tensor_file']} "
+                f"({rank['bytes']:,} bytes); this machine kind now loads them processed"
+            )
+        elif not rank["not_added"]:
+            console().print("nothing to add: every layer with a fallback already loads processed here")
+        else:
+            console().print("nothing added: no verified restorer covers what vLLM's step made here")
+        for path, why in rank["not_added"].items():
+            console().print(f"  {path}: stays on its fallback here ({why})", highlight=False)
+
+
 @app.command()
 @click.argument("uri")
 @click.argument("cache_dir", type=_PATH)

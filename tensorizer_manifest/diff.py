@@ -75,7 +75,19 @@ def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
     ma, mb = a.module_map(), b.module_map()
     result.layers_removed = [p for p in ma if p not in mb]
     result.layers_added = [p for p in mb if p not in ma]
+    added_a, added_b = _added_forms(a), _added_forms(b)
     for path in ma:
         if path in mb:
             result.layers_changed += [(path, what, x, y) for what, x, y in _layer_changes(ma[path], mb[path])]
+            if added_a.get(path, []) != added_b.get(path, []):
+                result.layers_changed.append((path, "added forms", added_a.get(path, []), added_b.get(path, [])))
     return result
+
+
+def _added_forms(manifest: Manifest) -> dict[str, list[dict]]:
+    """Per layer, the forms other engines added: each one's recorded form and the CPU features it was made on."""
+    by_path: dict[str, list[dict]] = {}
+    for form in manifest.added_forms:
+        for record in form.modules:
+            by_path.setdefault(record.path, []).append({"form": record.form, "on": form.fingerprint.cpu_features})
+    return by_path

@@ -15,7 +15,7 @@ processed layer that does not fit and has no fallback stays as it is, and
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -39,15 +39,21 @@ class FormChoice:
     """What ``choose_forms`` decided: the manifest to load, and the layers that fell back."""
 
     manifest: Manifest
-    """The effective manifest: the saved one with every layer that falls back turned into a raw record."""
+    """The effective manifest: the saved one with every layer that falls back turned into a raw record, and
+    every layer that loads an added form given that form's record."""
     fallbacks: tuple[Fallback, ...] = ()
     processed: int = 0
-    """Layers that have a fallback and load processed all the same (their form fits here)."""
+    """Layers that have a fallback and load processed all the same (their saved form fits here)."""
+    added: dict[str, int] = field(default_factory=dict)
+    """Layers that load a form another engine added, and which one (its index in ``manifest.added_forms``):
+    their tensors are in that form's tensor file."""
 
     def to_dict(self) -> dict:
         """For the load report: how many layers load in each form, and why each fallback was taken."""
         return {
             "processed_with_fallback": self.processed,
+            "added_form": len(self.added),
+            "added_form_layers": dict(self.added),
             "fallback": len(self.fallbacks),
             "fallback_reasons": dict(Counter(f.reason for f in self.fallbacks)),
             "fallback_layers": [f.path for f in self.fallbacks],
@@ -106,12 +112,15 @@ def as_raw(record: ModuleRecord) -> ModuleRecord:
 
 
 def choose_forms(manifest: Manifest, model: torch.nn.Module, current: Fingerprint) -> FormChoice:
-    """Each layer with a fallback: processed where it fits here, else its fallback (``why_not_processed``)."""
+    """Each layer with a fallback: its saved processed form where that fits here, else the first added form
+    that fits (``add-form``), else its fallback (``why_not_processed`` decides each)."""
     if not any(m.fallback for m in manifest.modules):
         return FormChoice(manifest)
     built = dict(model.named_modules())
+    added_by_path = [form.module_map() for form in manifest.added_forms]
     modules: list[ModuleRecord] = []
     fallbacks: list[Fallback] = []
+    added: dict[str, int] = {}
     processed = 0
     for record in manifest.modules:
         module = built.get(record.path)
@@ -122,7 +131,17 @@ def choose_forms(manifest: Manifest, model: torch.nn.Module, current: Fingerprin
         if reason is None:
             processed += 1
             modules.append(msgspec.structs.replace(record, fallback=[]))
+            continue
+        for index, form in enumerate(manifest.added_forms):
+            other = added_by_path[index].get(record.path)
+            if other is not None and why_not_processed(other, module, form.fingerprint, current) is None:
+                added[record.path] = index
+                modules.append(msgspec.structs.replace(other, fallback=[]))
+                break
         else:
-            fallbacks.append(Fallback(record.path, reason))
+            tried = sum(record.path in forms for forms in added_by_path)
+            also = f" (and {tried} added form(s) do not fit either)" if tried else ""
+            fallbacks.append(Fallback(record.path, reason + also))
             modules.append(as_raw(record))
-    return FormChoice(msgspec.structs.replace(manifest, modules=modules), tuple(fallbacks), processed)
+    effective = msgspec.structs.replace(manifest, modules=modules)
+    return FormChoice(effective, tuple(fallbacks), processed, added)

@@ -21,7 +21,7 @@ def _short(qualified: str | None) -> str:
     return name + (f"[{rest}" if rest else "")
 
 
-def layer_row(module: ModuleRecord) -> dict:
+def layer_row(module: ModuleRecord, added: list[tuple[int, ModuleRecord]] = ()) -> dict:
     stored = [t for t in module.tensors if t.alias_of is None]
     return {
         "path": module.path or "<root>",
@@ -34,27 +34,29 @@ def layer_row(module: ModuleRecord) -> dict:
         "aliases": len(module.tensors) - len(stored),
         "bytes": sum(t.nbytes for t in stored),
         "runtime_state": [f"{a.owner}.{a.name}" if a.owner != "layer" else a.name for a in module.runtime_state],
-        "forms": forms_of(module),
+        "forms": forms_of(module, added),
     }
 
 
-def forms_of(module: ModuleRecord) -> list[dict]:
-    """The forms a layer can load in, in the order a loader tries them: its own, then the raw fallback."""
-    own = {
-        "state": module.state,
-        "form": module.form,
-        "tensors": sum(1 for t in module.tensors if t.alias_of is None),
-        "bytes": sum(t.nbytes for t in module.tensors if t.alias_of is None),
-    }
+def _form(state: str, record: ModuleRecord) -> dict:
+    stored = [t for t in record.tensors if t.alias_of is None]
+    return {"state": state, "form": record.form, "tensors": len(stored), "bytes": sum(t.nbytes for t in stored)}
+
+
+def forms_of(module: ModuleRecord, added: list[tuple[int, ModuleRecord]] = ()) -> list[dict]:
+    """The forms a layer can load in, in the order a loader tries them: its own, the forms other engines
+    added (``added``: their index in ``added_forms`` and record), then the raw fallback."""
+    own = _form(module.state, module)
     if not module.fallback:
         return [own]
+    own = [own, *(_form(f"processed (added form {i})", record) for i, record in added)]
     fallback = {
         "state": "raw fallback",
         "form": {},
         "tensors": len(module.fallback),
         "bytes": sum(t.nbytes for t in module.fallback),
     }
-    return [own, fallback]
+    return [*own, fallback]
 
 
 def summary(manifest: Manifest) -> dict:
@@ -81,6 +83,16 @@ def summary(manifest: Manifest) -> dict:
         "processed_layers": states.get("processed", 0),
         "layers_with_fallback": sum(1 for m in manifest.modules if m.fallback),
         "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
+        "added_forms": [
+            {
+                "tensor_file": f.tensor_file.path,
+                "layers": len(f.modules),
+                "bytes": f.tensor_file.size,
+                "vllm_version": f.fingerprint.vllm_version,
+                "cpu_features": f.fingerprint.cpu_features,
+            }
+            for f in manifest.added_forms
+        ],  # fmt: skip
         "replay": dict(sorted(replays.items())),
     }
 
@@ -88,13 +100,24 @@ def summary(manifest: Manifest) -> dict:
 def _fallback_cell(forms: list[dict]) -> str:
     if len(forms) < 2:
         return "-"
-    own, fallback = forms
+    own, *added, fallback = forms
     where = ", ".join(f"{k}={v}" for k, v in own["form"].items()) or "this kernel"
-    return f"raw, {fallback['tensors']} tensors, {fallback['bytes']:,} bytes (processed only where {where})"
+    also = f"; {len(added)} added form(s)" if added else ""
+    return f"raw, {fallback['tensors']} tensors, {fallback['bytes']:,} bytes (processed only where {where}{also})"
+
+
+def added_records(manifest: Manifest) -> dict[str, list[tuple[int, ModuleRecord]]]:
+    """Per layer, the records of the forms other engines added for it, with their index."""
+    by_path: dict[str, list[tuple[int, ModuleRecord]]] = {}
+    for index, form in enumerate(manifest.added_forms):
+        for record in form.modules:
+            by_path.setdefault(record.path, []).append((index, record))
+    return by_path
 
 
 def as_json(manifest: Manifest) -> bytes:
-    doc = {"summary": summary(manifest), "layers": [layer_row(m) for m in manifest.modules]}
+    added = added_records(manifest)
+    doc = {"summary": summary(manifest), "layers": [layer_row(m, added.get(m.path, [])) for m in manifest.modules]}
     return msgspec.json.format(msgspec.json.encode(doc), indent=2)
 
 
@@ -107,8 +130,9 @@ def render(manifest: Manifest, source: str, console) -> None:
     with_fallbacks = any(m.fallback for m in manifest.modules)
     for column in columns + (("fallback",) if with_fallbacks else ()):
         table.add_column(column, no_wrap=column not in ("kernel", "runtime state", "fallback"), overflow="fold")
+    added = added_records(manifest)
     for module in manifest.modules:
-        row = layer_row(module)
+        row = layer_row(module, added.get(module.path, []))
         table.add_row(
             row["path"],
             row["module_class"],
@@ -133,6 +157,11 @@ def render(manifest: Manifest, source: str, console) -> None:
         console.print(
             f"{s['layers_with_fallback']} processed layers keep a raw fallback ({s['fallback_bytes']:,} bytes): "
             "loaded processed where their form fits, through vLLM's step elsewhere"
+        )
+    for index, form in enumerate(s["added_forms"]):
+        console.print(
+            f"added form {index}: {form['layers']} layers in {form['tensor_file']} ({form['bytes']:,} bytes), made "
+            f"by vLLM {form['vllm_version']} on {', '.join(form['cpu_features']) or 'a device'}"
         )
     console.print(
         f"{s['layers']} layers: {s['processed_layers']} processed, {s['raw_layers']} raw; "

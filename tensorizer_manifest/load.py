@@ -160,6 +160,7 @@ def restore_tensors(
     verify_hashes: bool = True,
     on_layer: Callable[[ModuleRecord, torch.nn.Module, Callable[[str], None]], None] | None = None,
     progress: ProgressCallback | None = None,
+    sources: dict[str, TensorFileReader] | None = None,
 ) -> int:
     """Put every recorded tensor into the model: exact dtype, layout, class; ties re-made.
 
@@ -169,27 +170,27 @@ def restore_tensors(
     module, check_hashes)`` is called (in manifest order) while reading goes
     on; ``check_hashes(path)`` waits for that layer's content hashes. Every hash
     is checked before this returns. ``progress`` is called after each tensor is
-    read. Returns the number of bytes read.
+    read. ``sources`` names, for layers whose tensors are in another file (a
+    form ``add-form`` added), that file's reader. Returns the number of bytes read.
     """
     hashes = HashChecker(reader.path.name) if verify_hashes else None
+    sources = sources or {}
     stored = [t for m in manifest.modules for t in m.tensors if t.alias_of is None and t.key is not None]
     counter = ProgressCounter(progress, len(stored), sum(t.nbytes for t in stored))
     # Only what this manifest's records name: an effective manifest (forms.choose_forms) names one form a layer.
-    stream = reader.stream(keys=[t.key for t in stored])
-    arrived: dict[str, torch.Tensor] = {}
-
-    def take(key: str) -> torch.Tensor:
-        while key not in arrived:
-            got = next(stream, None)
-            if got is None:
-                raise IntegrityError(f"{reader.path.name}: tensor {key!r} named in the manifest is not in the file")
-            arrived[got[0]] = got[1]
-        return arrived.pop(key)
+    # Each file is read in its own order: a layer's records are in the file of its form, in manifest order.
+    wanted: dict[int, tuple[TensorFileReader, list[str]]] = {}
+    for m in manifest.modules:
+        source = sources.get(m.path, reader)
+        keys = wanted.setdefault(id(source), (source, []))[1]
+        keys.extend(t.key for t in m.tensors if t.alias_of is None and t.key is not None)
+    streams = {i: _Arrivals(source, source.stream(keys=keys)) for i, (source, keys) in wanted.items()}
 
     total = 0
     try:
         for record in manifest.modules:
             module = model.get_submodule(record.path)
+            take = streams[id(sources.get(record.path, reader))].take
             for t in record.tensors:
                 name = full_name(record.path, t.name)
                 if t.alias_of is not None:  # its target was recorded, so placed, before it
@@ -212,10 +213,29 @@ def restore_tensors(
         if hashes is not None:
             hashes.check_all()
     finally:
-        stream.close()
+        for arrivals in streams.values():
+            arrivals.stream.close()
         if hashes is not None:
             hashes.close()
     return total
+
+
+class _Arrivals:
+    """The tensors of one file as they arrive, in its order, held until their record takes them."""
+
+    def __init__(self, reader: TensorFileReader, stream):
+        self.reader, self.stream = reader, stream
+        self._arrived: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str) -> torch.Tensor:
+        while key not in self._arrived:
+            got = next(self.stream, None)
+            if got is None:
+                raise IntegrityError(
+                    f"{self.reader.path.name}: tensor {key!r} named in the manifest is not in the file"
+                )
+            self._arrived[got[0]] = got[1]
+        return self._arrived.pop(key)
 
 
 def _place_alias(model: torch.nn.Module, module: torch.nn.Module, record: TensorRecord, name: str) -> None:

@@ -165,7 +165,7 @@ _CONTEXT_KEYS = (
 )
 
 
-def _model_config(model_dir: Path) -> dict[str, Any]:
+def read_model_config(model_dir: Path) -> dict[str, Any]:
     """The model's config.json, its text part merged over it (multimodal configs); {} when unreadable, and
     vLLM then says what is wrong with it."""
     import json
@@ -205,7 +205,7 @@ def saving_kv_cache_bytes(config: dict[str, Any]) -> int:
 
 def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
     """The saving engine's ``vllm.LLM`` keyword arguments for the model in ``model_dir``."""
-    config = _model_config(model_dir)
+    config = read_model_config(model_dir)
     max_model_len = options.max_model_len
     if max_model_len is None and "max_model_len" not in options.engine_args:
         max_model_len = saving_context_len(config)

@@ -252,6 +252,20 @@ class Seal(_Struct, kw_only=True):
     hash: ContentHash
 
 
+class AddedForm(_Struct, kw_only=True):
+    """Format version 2. The processed form of some layers as another engine makes it (``add-form``: another
+    machine kind, or another vLLM), from their raw fallbacks, in a tensor file of its own."""
+
+    fingerprint: Fingerprint
+    """The engine that made it: a loader takes these records only where its machine and vLLM fit them."""
+    tensor_file: TensorFileRef
+    modules: list[ModuleRecord]
+    """One processed record per layer it covers (each a layer of the manifest with a raw fallback)."""
+
+    def module_map(self) -> dict[str, ModuleRecord]:
+        return {m.path: m for m in self.modules}
+
+
 class Manifest(_Struct, kw_only=True):
     format_version: Annotated[int, msgspec.Meta(ge=1)]
     producer: str
@@ -260,6 +274,9 @@ class Manifest(_Struct, kw_only=True):
     modules: list[ModuleRecord]
     seal: Seal | None = None
     """None in manifests written by 0.2.0 and older: loadable, reported as not sealed."""
+    added_forms: list[AddedForm] = []
+    """Format version 2. Processed forms that other engines added (``add-form``), oldest first. Left out of
+    the encoding while empty (``_encode``)."""
 
     def module_map(self) -> dict[str, ModuleRecord]:
         return {m.path: m for m in self.modules}
@@ -285,7 +302,9 @@ def fallback_name(name: str) -> str:
 
 def required_format_version(manifest: Manifest) -> int:
     """The lowest format version that holds everything in ``manifest``: what it is written as."""
-    return FALLBACKS_FORMAT_VERSION if any(m.fallback for m in manifest.modules) else 1
+    if manifest.added_forms or any(m.fallback for m in manifest.modules):
+        return FALLBACKS_FORMAT_VERSION
+    return 1
 
 
 def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
@@ -439,16 +458,19 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Manifest)
 _header_decoder = msgspec.json.Decoder(_Header)
 
-#: An empty ``fallback``, as msgspec writes it: the last field of a module record, so ``]}`` ends it. Inside a
-#: JSON string every ``"`` is escaped, so these bytes only ever occur as that field.
+#: An empty ``fallback`` and an empty ``added_forms``, as msgspec writes them: each the last field of its struct,
+#: so ``}`` follows. Inside a JSON string every ``"`` is escaped, so these bytes only ever occur as those fields.
 _EMPTY_FALLBACK = b',"fallback":[]}'
+_NO_ADDED_FORMS = b',"added_forms":[]}'
 
 
 def _encode(manifest: Manifest) -> bytes:
-    """Compact JSON with every empty ``fallback`` left out: a manifest without fallbacks encodes, byte for
-    byte, as version 1 did (its seal still matches, and version-1 readers, which refuse unknown fields, read
-    it). msgspec has no per-field ``omit_defaults``; the field is last in its record, so this is exact."""
-    return _encoder.encode(manifest).replace(_EMPTY_FALLBACK, b"}")
+    """Compact JSON with every empty ``fallback`` and an empty ``added_forms`` left out: a manifest without
+    them encodes, byte for byte, as version 1 did (its seal still matches, and version-1 readers, which refuse
+    unknown fields, read it). msgspec has no per-field ``omit_defaults``; each field is last in its struct, so
+    this is exact."""
+    data = _encoder.encode(manifest).replace(_EMPTY_FALLBACK, b"}")
+    return data[: -len(_NO_ADDED_FORMS)] + b"}" if data.endswith(_NO_ADDED_FORMS) else data
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .checkpoint import (
@@ -33,7 +33,7 @@ from .checkpoint import (
     resolve_tensor_file,
     signing_key_from,
 )
-from .checks.records import check_manifest
+from .checks.records import check_added_forms, check_manifest
 from .checks.report import Problem, ValidationReport
 from .checks.seal import check_encryption, seal_needs_encryption_key, unsealed_warning
 from .checks.tensor_files import check_before_parsing, check_hashes, check_index, check_tensor_file
@@ -51,6 +51,7 @@ from .schema import (
     EncryptionKey,
     Manifest,
     SigningKey,
+    TensorFileRef,
     TensorRecord,
 )
 from .tensor_file import TensorFileReader
@@ -65,12 +66,13 @@ def check_files(
     """Everything but content hashes; raises on the first kind of problem. Returns the tensor file's location.
 
     The seal comes first: with the encryption key, a wrong key is refused here, before any weight is read.
-    The loader uses ``open_checked``, the same checks with the file left open.
+    The loader uses ``open_checked``, the same checks with the file left open. Added forms' tensor files
+    are checked as the main one is.
     """
-    tensor_path, by_key = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
-    problems = check_tensor_file(manifest, tensor_path, by_key)
-    ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
-    return tensor_path
+    files = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+    problems = [p for ref, tensor_path, by_key in files for p in check_tensor_file(ref, tensor_path, by_key)]
+    ValidationReport(manifest_path, files[0][1], problems=tuple(problems)).raise_for_problems()
+    return files[0][1]
 
 
 @contextmanager
@@ -88,22 +90,49 @@ def open_checked(
     The prefix hash vouches for tensorizer's header and index with plain reads
     before tensorizer opens the file; the index the reader then parsed is
     checked as ``check_files`` checks it. Nothing is read from the tensor data.
+    ``open_checked_forms`` opens the added forms' files too.
     """
-    tensor_path, by_key = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+    with open_checked_forms(
+        manifest, manifest_path, signing_key, encryption_key, device=device, num_readers=num_readers
+    ) as readers:
+        yield readers[0]
+
+
+@contextmanager
+def open_checked_forms(
+    manifest: Manifest,
+    manifest_path: FileLocation,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+    *,
+    device: str = "cpu",
+    num_readers: int | None = None,
+) -> Iterator[list[TensorFileReader]]:
+    """``open_checked`` for the main tensor file and each added form's (in ``manifest.added_forms`` order)."""
+    files = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+    with ExitStack() as stack:
+        yield [
+            stack.enter_context(_open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, num_readers))
+            for ref, tensor_path, by_key in files
+        ]
+
+
+@contextmanager
+def _open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, num_readers):
     try:
-        problems = check_before_parsing(manifest, tensor_path, by_key)
+        problems = check_before_parsing(ref, tensor_path, by_key)
     except RemoteStorageError as exc:
         problems = [Problem(type(exc), str(tensor_path), str(exc))]
     ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
     try:
         reader = TensorFileReader(tensor_path, device=device, num_readers=num_readers, encryption_key=encryption_key)
     except ConfigurationError:
-        if manifest.tensor_file.encryption != "none":
+        if ref.encryption != "none":
             raise
         raise IntegrityError(f"{tensor_path}: the tensor file is encrypted, its manifest says it is not") from None
     with reader:
         try:
-            problems = check_index(manifest, tensor_path, by_key, reader.index())
+            problems = check_index(ref, tensor_path, by_key, reader.index())
         except RemoteStorageError as exc:
             problems = [Problem(type(exc), str(tensor_path), str(exc))]
         ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
@@ -115,14 +144,20 @@ def _check_manifest_for_loading(
     manifest_path: FileLocation,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
-) -> tuple[FileLocation, dict[str, TensorRecord]]:
-    """The manifest's own checks and its keys, raised; then where its tensor file is."""
+) -> list[tuple[TensorFileRef, FileLocation, dict[str, TensorRecord]]]:
+    """The manifest's own checks and its keys, raised; then, for its tensor file and each added form's,
+    the file's entry, where it is, and its stored records by key."""
     problems, by_key = check_manifest(manifest, manifest_path, signing_key, encryption_key)
+    form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
+    problems += form_problems
     keys = check_encryption(manifest, encryption_key)
     if keys is not None:
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
-    return resolve_tensor_file(manifest, manifest_path), by_key
+    files = [(manifest.tensor_file, resolve_tensor_file(manifest, manifest_path), by_key)]
+    for form, form_by_key in zip(manifest.added_forms, forms_by_key, strict=True):
+        files.append((form.tensor_file, resolve_tensor_file(manifest, manifest_path, form.tensor_file), form_by_key))
+    return files
 
 
 def validate_checkpoint(
@@ -156,6 +191,8 @@ def validate_checkpoint(
     problems, by_key = check_manifest(
         manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
     )
+    form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
+    problems += form_problems
     keys = check_encryption(manifest, encryption_key)
     if keys is not None and keys[0] is not ConfigurationError:  # a missing key is a warning here
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
@@ -166,15 +203,21 @@ def validate_checkpoint(
             f"{manifest_path}: the seal was not checked: it is keyed from the encryption key; "
             "pass --encryption-key-file to check it"
         )
-    records = len(manifest.ordered_records())
-    try:
-        tensor_path = resolve_tensor_file(manifest, manifest_path)
-    except TensorizerManifestError as exc:
-        problems.append(Problem(type(exc), str(manifest_path), str(exc)))
-        return ValidationReport(
-            manifest_path, None, records, len(by_key), 0, tuple(problems), tuple(warnings), encrypted
-        )
-    problems += check_tensor_file(manifest, tensor_path, by_key)
+    records = len(manifest.ordered_records()) + sum(len(m.tensors) for f in manifest.added_forms for m in f.modules)
+    stored = len(by_key) + sum(len(keys) for keys in forms_by_key)
+    forms = zip(manifest.added_forms, forms_by_key, strict=True)
+    refs = [(manifest.tensor_file, by_key)] + [(form.tensor_file, keys) for form, keys in forms]
+    files = []
+    for ref, keys in refs:
+        try:
+            files.append((resolve_tensor_file(manifest, manifest_path, ref), keys))
+        except TensorizerManifestError as exc:
+            problems.append(Problem(type(exc), str(manifest_path), str(exc)))
+    if len(files) < len(refs):
+        return ValidationReport(manifest_path, None, records, stored, 0, tuple(problems), tuple(warnings), encrypted)
+    for (ref, _), (tensor_path, keys) in zip(refs, files, strict=True):
+        problems += check_tensor_file(ref, tensor_path, keys)
+    tensor_path = files[0][0]
     checked = 0
     if verify_hashes and encrypted and encryption_key is None:
         warnings.append(
@@ -182,9 +225,11 @@ def validate_checkpoint(
             "pass --encryption-key-file to check them"
         )
     elif verify_hashes and not problems:
-        problems, checked = check_hashes(tensor_path, by_key, encryption_key, progress)
+        for path, keys in files:
+            found, n = check_hashes(path, keys, encryption_key, progress)
+            problems, checked = problems + found, checked + n
     return ValidationReport(
-        manifest_path, tensor_path, records, len(by_key), checked, tuple(problems), tuple(warnings), encrypted
+        manifest_path, tensor_path, records, stored, checked, tuple(problems), tuple(warnings), encrypted
     )
 
 

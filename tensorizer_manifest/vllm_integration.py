@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
-from .capture import Capture, CapturePolicy, Recorder
+from .capture import Capture, CapturePolicy, FallbackRecorder, Recorder
 from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, signing_key_from
 from .checks.seal import unsealed_warning
 from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
@@ -35,11 +35,12 @@ from .options import S3Options, describe_validation_error
 from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX
-from .validate import open_checked
-from .write import write_checkpoint
+from .validate import open_checked_forms
+from .write import write_added_form, write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
+_ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
 logger = logging.getLogger("vllm.tensorizer_manifest")
@@ -66,11 +67,17 @@ def _log_load(manifest_path: Path, summary: dict) -> None:
         laps["replay"],
     )
     forms = summary["forms"]
+    if forms["added_form"]:
+        logger.info(
+            "%s: %d processed layer(s) loaded from forms other engines added (add-form), no post-load step",
+            manifest_path,
+            forms["added_form"],
+        )
     if forms["fallback"]:
         reasons = "; ".join(f"{n} layer(s): {why}" for why, n in forms["fallback_reasons"].items())
         logger.warning(
             "%s: %d processed layer(s) loaded through their raw fallback, vLLM's post-load step ran on them "
-            "(%d loaded processed): %s. A checkpoint saved on this machine and vLLM loads them processed.",
+            "(%d loaded processed): %s. `tensorizer-manifest add-form` on this machine kind adds its processed form.",
             manifest_path,
             forms["fallback"],
             forms["processed_with_fallback"],
@@ -108,6 +115,11 @@ class LoadOptions(S3Options):
     )
     progress: bool = Field(
         False, description="Draw a progress bar of the read on stderr (rank 0, when stdout and stderr are terminals)."
+    )
+    add_form: bool = Field(
+        False,
+        description="Observe vLLM's step on the layers loaded through their raw fallback, so that the worker "
+        "method add_tensorizer_manifest_form can add this engine's processed form of them (`add-form`).",
     )
 
     @classmethod
@@ -201,14 +213,14 @@ class ManifestModelLoader(BaseModelLoader):
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
-        with open_checked(
+        with open_checked_forms(
             manifest,
             manifest_path,
             signing_key,
             encryption_key,
             device=str(target_device),
             num_readers=options.num_readers,
-        ) as reader:
+        ) as readers:
             unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
             if unsealed:
                 logger.warning("%s: %s", manifest_path, unsealed)
@@ -216,7 +228,7 @@ class ManifestModelLoader(BaseModelLoader):
             check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
             clock.lap("check_files")
             model, summary = self._restore_and_replay(
-                vllm_config, model_config, prefix, manifest, fingerprint, reader, target_device, options, clock
+                vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
             )
         summary["encrypted"] = encryption_key is not None
         setattr(model, _REPORT_ATTR, summary)
@@ -224,10 +236,10 @@ class ManifestModelLoader(BaseModelLoader):
         return model.eval()
 
     def _restore_and_replay(
-        self, vllm_config, model_config, prefix, manifest, fingerprint, reader, target_device, options, clock
+        self, vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
     ):
         """Build the model, choose each layer's form and check the model against them, then read, restore and
-        replay; returns the model and its report."""
+        replay; returns the model and its report. ``readers``: the main tensor file's, then each added form's."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -248,25 +260,40 @@ class ManifestModelLoader(BaseModelLoader):
                 overlap_raw_steps=overlap["raw_steps"],
                 overlap_restorers=overlap["restorers"],
             )
+            on_layer = replayer.layer_ready
+            recorder = None
+            if options.add_form:
+                fallen = {f.path for f in forms.fallbacks}
+                recorder = FallbackRecorder(model, fallen, fingerprint.device_type)
+
+                def on_layer(record, module, check_hashes):  # the layer as loaded, then vLLM's step (or not yet)
+                    recorder.layer_ready(record.path, module)
+                    replayer.layer_ready(record, module, check_hashes)
+
+            sources = {path: readers[1 + index] for path, index in forms.added.items()}
             with terminal_progress("loading", enabled=options.progress and _first_rank()) as progress:
                 nbytes = restore_tensors(
                     model,
                     manifest,
-                    reader,
+                    readers[0],
                     verify_hashes=options.verify_hashes,
-                    on_layer=replayer.layer_ready,
+                    on_layer=on_layer,
                     progress=progress,
+                    sources=sources,
                 )
-            reader.close()  # replay needs no file; closing again on the way out is harmless
+            for reader in readers:
+                reader.close()  # replay needs no file; closing again on the way out is harmless
             overlapped = replayer.step_seconds
             clock.lap("read_tensors")
             report = replayer.finish()
+            if recorder is not None:
+                setattr(model, _ADDED_FORM_ATTR, recorder.finish(fingerprint, rank_stem(vllm_config)))
             clock.lap("replay")
         return model, {
             **report.to_dict(),
             "bytes_read": nbytes,
             "verify_hashes": options.verify_hashes,
-            "num_readers": reader.num_readers,
+            "num_readers": readers[0].num_readers,
             "forms": forms.to_dict(),
             "overlap_steps": overlap,
             "seconds": clock.laps,
@@ -404,6 +431,31 @@ class ManifestWorkerExtension:
             "seal": manifest.seal.mode if manifest.seal is not None else None,
             "encryption": manifest.tensor_file.encryption,
         }
+
+    def add_tensorizer_manifest_form(
+        self, checkpoint_dir: str, signing_key_file: str | None = None, encryption_key_file: str | None = None
+    ) -> dict:
+        """Add this engine's processed form of the layers it loaded through their raw fallback to this rank's
+        manifest in ``checkpoint_dir`` (the engine must have loaded it with ``add_form`` in
+        ``model_loader_extra_config``). Nothing is written when no layer fell back, or none a verified
+        restorer covers here."""
+        signing_key = signing_key_from(signing_key_file)
+        encryption_key = encryption_key_from(encryption_key_file)
+        model = self._tm_model()
+        observed = getattr(model, _ADDED_FORM_ATTR, None)
+        if observed is None:
+            raise TensorizerManifestError(
+                f"this engine did not load with load_format={LOAD_FORMAT!r} and add_form in "
+                "model_loader_extra_config, so vLLM's step on the fallback layers was not observed"
+            )
+        capture, not_added = observed
+        result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
+        if capture.layers:
+            manifest = write_added_form(capture, Path(checkpoint_dir), capture.stem, signing_key, encryption_key)
+            result["tensor_file"] = manifest.added_forms[-1].tensor_file.path
+            result["bytes"] = manifest.added_forms[-1].tensor_file.size
+        delattr(model, _ADDED_FORM_ATTR)
+        return result
 
     def tensorizer_manifest_report(self) -> dict | None:
         """What the manifest loader did in this worker (None when it was not used)."""

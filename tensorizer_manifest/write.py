@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,12 +22,14 @@ from .schema import (
     ENCRYPTION_TENSORIZER,
     MANIFEST_SUFFIX,
     TENSORS_SUFFIX,
+    AddedForm,
     EncryptionKey,
     Manifest,
     ModuleRecord,
     SigningKey,
     TensorFileRef,
     TensorRecord,
+    decode_manifest,
     digest_records,
     encode_manifest,
     fallback_name,
@@ -155,44 +157,97 @@ def write_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temporaries(out_dir, stem)
     manifest, to_store = build_manifest(capture, "")
-    tensor_name = f"{stem}.{manifest.tensor_file.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
-    manifest.tensor_file.path = tensor_name
+    tensor_name = _write_tensors(
+        out_dir, stem, manifest.tensor_file, to_store, encryption_key, progress, capture.close if release else None
+    )
+    manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
+    _write_manifest(out_dir, stem, manifest)
+    for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):
+        if stale.name != tensor_name:
+            stale.unlink(missing_ok=True)
+    return manifest
+
+
+def write_added_form(
+    capture: Capture,
+    checkpoint_dir: Path,
+    stem: str,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+) -> Manifest:
+    """Add the processed form of ``capture``'s layers (this engine's, made from their raw fallbacks) to the
+    checkpoint in ``checkpoint_dir``: a tensor file of its own, then the manifest with the form appended to
+    ``added_forms``, sealed again, renamed into place last.
+
+    Crash-safe as ``write_checkpoint`` is: until the rename, the directory holds the checkpoint as it was
+    (an unreferenced new tensor file at worst), and a loader that read the old manifest still finds every
+    file it names. Returns the new manifest.
+    """
+    manifest_path = checkpoint_dir / (stem + MANIFEST_SUFFIX)
+    manifest = decode_manifest(manifest_path.read_bytes(), str(manifest_path))
+    _remove_orphaned_temporaries(checkpoint_dir, stem)
+    form, to_store = build_manifest(capture, "")
+    _write_tensors(checkpoint_dir, stem, form.tensor_file, to_store, encryption_key)
+    manifest.added_forms.append(
+        AddedForm(fingerprint=capture.fingerprint, tensor_file=form.tensor_file, modules=form.modules)
+    )
+    manifest.format_version = required_format_version(manifest)
+    manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
+    _write_manifest(checkpoint_dir, stem, manifest)
+    return manifest
+
+
+def _write_tensors(
+    out_dir: Path,
+    stem: str,
+    ref: TensorFileRef,
+    to_store: list[tuple[str, TensorSlot]],
+    encryption_key: EncryptionKey | None,
+    progress: ProgressCallback | None = None,
+    written: Callable[[], None] | None = None,
+) -> str:
+    """Write ``<stem>.<digest>.tensors`` (``written`` is called once its data is out), fill ``ref`` (name,
+    size, head and prefix hashes, encryption), and rename it into place. Returns its name."""
+    tensor_name = f"{stem}.{ref.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
+    ref.path = tensor_name
     if encryption_key is not None:
-        manifest.tensor_file.encryption = ENCRYPTION_TENSORIZER
+        ref.encryption = ENCRYPTION_TENSORIZER
     counter = ProgressCounter(progress, len(to_store), sum(_nbytes(slot) for _, slot in to_store))
-    manifest_name = stem + MANIFEST_SUFFIX
     tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
-    tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
     try:
         write_tensor_file(
             tmp_tensors, stored_tensors(to_store), encryption_key, on_written=lambda _, n: counter.advance(n)
         )
-        if release:
-            capture.close()
-        manifest.tensor_file.size = tmp_tensors.stat().st_size
+        if written is not None:
+            written()
+        ref.size = tmp_tensors.stat().st_size
         index = read_index(tmp_tensors, encrypted=encryption_key is not None)
-        manifest.tensor_file.head_hash = head_hash(tmp_tensors, index)
-        manifest.tensor_file.prefix_size = prefix_size(index, manifest.tensor_file.size)
-        manifest.tensor_file.prefix_hash = prefix_hash(tmp_tensors, manifest.tensor_file.prefix_size)
+        ref.head_hash = head_hash(tmp_tensors, index)
+        ref.prefix_size = prefix_size(index, ref.size)
+        ref.prefix_hash = prefix_hash(tmp_tensors, ref.prefix_size)
         if encryption_key is not None:
             # Fresh nonces make every encrypted write differ: its name takes the head hash too (nonces and MACs),
             # so that a re-save never replaces the file an older manifest names.
-            head = manifest.tensor_file.head_hash.removeprefix("blake3:")[:16]
-            tensor_name = manifest.tensor_file.path = tensor_name.replace(TENSORS_SUFFIX, f"-{head}{TENSORS_SUFFIX}")
-        manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
+            head = ref.head_hash.removeprefix("blake3:")[:16]
+            tensor_name = ref.path = tensor_name.replace(TENSORS_SUFFIX, f"-{head}{TENSORS_SUFFIX}")
         _fsync(tmp_tensors)
         os.replace(tmp_tensors, out_dir / tensor_name)
+    finally:
+        tmp_tensors.unlink(missing_ok=True)
+    return tensor_name
+
+
+def _write_manifest(out_dir: Path, stem: str, manifest: Manifest) -> None:
+    """``<stem>.manifest.json``, written beside and renamed over the old one: the commit point."""
+    manifest_name = stem + MANIFEST_SUFFIX
+    tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
+    try:
         tmp_manifest.write_bytes(encode_manifest(manifest))
         _fsync(tmp_manifest)
         os.replace(tmp_manifest, out_dir / manifest_name)  # the commit point
         _fsync_dir(out_dir)
     finally:
-        tmp_tensors.unlink(missing_ok=True)
         tmp_manifest.unlink(missing_ok=True)
-    for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):
-        if stale.name != tensor_name:
-            stale.unlink(missing_ok=True)
-    return manifest
 
 
 def _nbytes(slot: TensorSlot) -> int:

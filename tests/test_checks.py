@@ -64,9 +64,9 @@ def test_a_tensor_file_is_checked_against_its_records_then_its_hashes(saved, tmp
     manifest, path = saved
     _, by_key = check_manifest(manifest, path)
     tensors = path.parent / manifest.tensor_file.path
-    assert check_tensor_file(manifest, tensors, by_key) == []
+    assert check_tensor_file(manifest.tensor_file, tensors, by_key) == []
     assert check_hashes(tensors, by_key) == ([], len(by_key))
     short = tmp_path / tensors.name
     short.write_bytes(tensors.read_bytes()[:-1])
-    (problem,) = check_tensor_file(manifest, short, by_key)
+    (problem,) = check_tensor_file(manifest.tensor_file, short, by_key)
     assert problem.kind is errors.IntegrityError and "truncated" in problem.message

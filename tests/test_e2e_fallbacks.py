@@ -71,7 +71,8 @@ def test_where_the_form_fits_only_the_processed_form_is_read(loads):
     assert entry["tokens"] == saved["reference_tokens"]
     assert entry["forms"]["fallback"] == 0 and entry["forms"]["processed_with_fallback"] == len(_with_fallback(entry))
     wanted = {k for layer in entry["layers"].values() for k in layer["keys"]}
-    read = [key for key, _ in entry["keys_read"]]
+    assert {file for file, _, _ in entry["keys_read"]} == {entry["tensor_file"]}
+    read = [key for _, key, _ in entry["keys_read"]]
     assert sorted(read) == sorted(wanted), "every layer's own tensors once, no fallback's"
     assert not _steps_on(entry, _with_fallback(entry)), "processed layers never see vLLM's step"
     manifest = f"{saved['checkpoint']}/model.manifest.json"
@@ -95,7 +96,7 @@ def test_a_layer_whose_form_this_machine_would_not_produce_loads_through_its_fal
     assert not _steps_on(entry, set(with_fallback) - {edited})
     wanted = {k for layer in entry["layers"].values() for k in layer["keys"]}
     wanted = wanted - set(entry["layers"][edited]["keys"]) | set(entry["layers"][edited]["fallback_keys"])
-    assert sorted(key for key, _ in entry["keys_read"]) == sorted(wanted), "only the chosen form's tensors"
+    assert sorted(key for _, key, _ in entry["keys_read"]) == sorted(wanted), "only the chosen form's tensors"
 
 
 def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(loads):
@@ -110,10 +111,10 @@ def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(lo
     (warning,) = _fallback_warnings(result, "older-vllm")
     assert f"{len(with_fallback)} processed layer(s) loaded through their raw fallback" in warning
     assert _steps_on(entry, with_fallback) == {f"quant_method:{p}": 1 for p in with_fallback}
-    read = {key for key, _ in entry["keys_read"]}
+    read = {key for _, key, _ in entry["keys_read"]}
     assert not read & {k for p in with_fallback for k in entry["layers"][p]["keys"]}
     assert read >= {k for p in with_fallback for k in entry["layers"][p]["fallback_keys"]}
-    assert entry["bytes_read"] == sum(n for _, n in entry["keys_read"])
+    assert entry["bytes_read"] == sum(n for _, _, n in entry["keys_read"])
 
 
 def test_without_fallbacks_the_other_machine_refuses_before_reading(scenarios, e2e_dir):
@@ -151,3 +152,57 @@ def test_a_damaged_fallback_is_caught_by_its_content_hash_and_nothing_is_served(
     assert entry["error"] is not None and entry["error"].startswith("IntegrityError"), entry["error"]
     assert "content hash of" in entry["error"] and "does not match" in entry["error"]
     assert "tokens" not in entry
+
+
+def test_add_form_makes_the_other_machines_checkpoint_load_processed_here(loads):
+    """Saved where its form is the other machine's, this machine adds its own: those layers then load that form,
+    processed (no vLLM step), bitwise what vLLM makes here, and only their added tensors are read for them."""
+    _, saved, result = loads
+    with_fallback = _with_fallback(result["as-saved"])
+    added = result["add-form"]
+    assert sorted(added["added"]) == sorted(with_fallback) and added["not_added"] == {} and added["tensor_file"]
+    entry = result["added-form"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["added_form"] == len(with_fallback) and entry["forms"]["fallback"] == 0
+    assert not _steps_on(entry, with_fallback), "the added form is processed: vLLM's step never runs on it"
+    (form,) = entry["added_forms"]
+    assert form["tensor_file"] == added["tensor_file"]
+    here = result["as-saved"]["layers"]  # saved on this machine: vLLM's own processed tensors here
+    for path in with_fallback:
+        assert form["layers"][path]["hashes"] == here[path]["hashes"], f"{path}: not bitwise vLLM's form here"
+        assert form["layers"][path]["form"] == saved["layers"][path]["form"]
+    main = {k for p, layer in entry["layers"].items() if p not in with_fallback for k in layer["keys"]}
+    read = {(file, key) for file, key, _ in entry["keys_read"]}
+    assert read == {(entry["tensor_file"], k) for k in main} | {
+        (form["tensor_file"], k) for p in with_fallback for k in form["layers"][p]["keys"]
+    }
+
+
+def test_add_form_with_other_engine_settings_is_refused_and_writes_nothing(loads):
+    _, _, result = loads
+    refused = result["add-form-float16"]
+    assert refused["error"] is not None and refused["error"].startswith("CompatibilityError"), refused
+    assert "dtype" in refused["error"] and "float16" in refused["error"]
+    assert len([f for f in refused["files"] if f.endswith(".tensors")]) == 1, refused["files"]
+
+
+@pytest.mark.skipif(
+    not _has_amx(),
+    reason="adding the other machine's form runs that machine's kernels: a CPU without AMX cannot run the AMX ones "
+    "it would pick with the probe flipped (the added-form case above shows add-form on this CPU)",
+)
+@pytest.mark.parametrize("kind", [kind_param(k) for k in ("gptq-w4", "awq-w4", "ct-w4a16", "qwen3-moe")])
+def test_after_add_form_the_other_machine_loads_processed_and_bitwise_its_default_loaders(scenarios, e2e_dir, kind):
+    saved = scenarios.e2e(kind)
+    model_dir = str(Path(saved["checkpoint"]).parent / f"tiny-{kind}")
+    other = run_script("scenarios/other_machine.py", saved["checkpoint"], "--reference", model_dir,
+                       "--add-form", str(e2e_dir), marker="OTHER_MACHINE_RESULT")  # fmt: skip
+    assert other["error"] is None, other
+    added = other["add_form"]["added"]
+    assert added and other["add_form"]["not_added"] == {}
+    assert other["forms"]["added_form"] == len(added) and other["forms"]["fallback"] == 0
+    assert not [k for k in other["post_load_counts"] if k.split(":", 1)[1] in added]
+    assert other["tokens"] == other["reference_tokens"]
+    for name, digest in other["added_hashes"].items():
+        assert other["reference_hashes"][name] == digest, f"{name}: not what vLLM's default loader makes there"

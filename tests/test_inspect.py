@@ -28,3 +28,19 @@ def test_a_layer_with_a_raw_fallback_shows_both_forms(tmp_path):
     s = summary(manifest)
     assert s["format_version"] == 2 and s["layers_with_fallback"] == 1 and s["fallback_bytes"] == 4 * 12 * 32 * 2
     assert all(len(layer_row(m)["forms"]) == 1 for m in manifest.modules if not m.fallback)
+
+
+def test_a_form_another_engine_added_is_shown_between_the_own_form_and_the_fallback(tmp_path):
+    from test_write import _experts_form_capture
+
+    from tensorizer_manifest.inspect import added_records
+    from tensorizer_manifest.write import write_added_form
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    manifest = write_added_form(_experts_form_capture(), checkpoint, "model")
+    layer = next(m for m in manifest.modules if m.fallback)
+    forms = layer_row(layer, added_records(manifest)[layer.path])["forms"]
+    assert [f["state"] for f in forms] == ["processed", "processed (added form 0)", "raw fallback"]
+    assert forms[1]["form"]["isa"] == "amx"
+    (added,) = summary(manifest)["added_forms"]
+    assert added["layers"] == 1 and added["cpu_features"] == ["AVX512", "AMX"]

@@ -23,16 +23,20 @@ def test_checked_in_json_schema_matches_the_types():
 
 
 def test_the_published_v1_schema_is_the_current_one_without_fallbacks():
-    """Version 2 only appended ``fallback`` to module records (msgspec's rules): v1's schema, as published, is
-    the current one without that field, so a version-1 manifest is read by both."""
+    """Version 2 only appended fields (msgspec's rules: ``fallback`` to module records, ``added_forms`` to the
+    manifest): v1's schema, as published, is the current one without them, so a version-1 manifest is read by
+    both."""
     v1 = json.loads((ROOT / "schemas" / "manifest-v1.schema.json").read_text())
     current = schema.json_schema()
     del current["$defs"]["ModuleRecord"]["properties"]["fallback"]
+    del current["$defs"]["Manifest"]["properties"]["added_forms"]
+    del current["$defs"]["AddedForm"]
     assert v1 == current
 
 
 def _v1_manifest_type() -> type:
-    """``schema.Manifest`` as version 1 had it: module records without ``fallback``, unknown fields refused."""
+    """``schema.Manifest`` as version 1 had it: module records without ``fallback``, no ``added_forms``, unknown
+    fields refused."""
     fields = [
         (f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
         for f in msgspec.structs.fields(schema.ModuleRecord)
@@ -42,7 +46,7 @@ def _v1_manifest_type() -> type:
     return msgspec.defstruct(
         "ManifestV1",
         [(f.name, list[v1_module] if f.name == "modules" else f.type) + (() if f.required else (f.default,))
-         for f in msgspec.structs.fields(schema.Manifest)],
+         for f in msgspec.structs.fields(schema.Manifest) if f.name != "added_forms"],
         kw_only=True,
         forbid_unknown_fields=True,
     )  # fmt: skip

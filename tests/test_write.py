@@ -527,3 +527,74 @@ def test_an_encrypted_save_records_it_seals_with_the_key_and_names_each_write_ap
     assert signed.seal.mode == "mac" and signed.tensor_file.encryption == ENCRYPTION_TENSORIZER
     plain = write_checkpoint(make_capture(), tmp_path / "c", "model")
     assert plain.tensor_file.encryption == "none" and "-" not in plain.tensor_file.path
+
+
+def _experts_form_capture(seed: int = 5):
+    """This engine's processed form of the synthetic checkpoint's experts layer (another ISA than saved)."""
+    import torch
+    from helpers.synthetic import FINGERPRINT, _slots
+
+    from tensorizer_manifest.capture import Capture, CapturedLayer
+
+    torch.manual_seed(seed)
+    experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.randn(4, 16, 32).to(torch.bfloat16), requires_grad=False)
+    form = {"experts_class": "X86CPUUnquantizedExperts", "isa": "amx", "zentorch": False}
+    layer = CapturedLayer("model.layers.0.mlp.experts", experts, "processed", "cpu_unquantized_moe",
+                          _slots(experts), [], [], "", form=form, verified=True)  # fmt: skip
+    fingerprint = FINGERPRINT.__copy__()
+    fingerprint.cpu_features = ["AVX512", "AMX"]
+    return Capture(fingerprint=fingerprint, layers=[layer])
+
+
+def test_an_added_form_gets_its_own_tensor_file_and_the_whole_checkpoint_validates(tmp_path):
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.write import write_added_form
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    before = read_manifest(checkpoint / "model.manifest.json")
+    manifest = write_added_form(_experts_form_capture(), checkpoint, "model")
+    (form,) = manifest.added_forms
+    assert form.tensor_file.path != before.tensor_file.path and (checkpoint / form.tensor_file.path).is_file()
+    assert [m.path for m in form.modules] == ["model.layers.0.mlp.experts"] and form.modules[0].form["isa"] == "amx"
+    assert manifest.tensor_file == before.tensor_file and manifest.modules == before.modules
+    report = validate_checkpoint(checkpoint)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored == before.tensor_file.tensor_count + 1
+    assert read_manifest(checkpoint / "model.manifest.json") == manifest
+
+
+def test_an_interrupted_add_form_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest import write
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    manifest_bytes = (checkpoint / "model.manifest.json").read_bytes()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the manifest was renamed into place")
+
+    monkeypatch.setattr(write, "_write_manifest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write.write_added_form(_experts_form_capture(), checkpoint, "model")
+    assert (checkpoint / "model.manifest.json").read_bytes() == manifest_bytes
+    assert validate_checkpoint(checkpoint).ok  # the new tensor file, if any, is named by no manifest
+
+
+def test_damaged_bytes_of_an_added_form_are_caught_by_their_content_hash(tmp_path):
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.tensor_file import read_index
+    from tensorizer_manifest.write import write_added_form
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    form = write_added_form(_experts_form_capture(), checkpoint, "model").added_forms[0]
+    path = checkpoint / form.tensor_file.path
+    entry = read_index(path)[form.modules[0].tensors[0].key]
+    data = bytearray(path.read_bytes())
+    data[entry.data_offset + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    problems = validate_checkpoint(checkpoint).problems
+    assert len(problems) == 1 and form.tensor_file.path in problems[0].where and "content hash" in problems[0].message

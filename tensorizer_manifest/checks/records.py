@@ -21,6 +21,7 @@ from ..schema import (
     EncryptionKey,
     Manifest,
     SigningKey,
+    TensorFileRef,
     TensorRecord,
     digest_line,
     digest_of_lines,
@@ -71,6 +72,48 @@ def _check_module_replay(module, known: set[str], problem) -> None:
         )
 
 
+class _Records:
+    """The records of one tensor file, checked as they are added, its digest taken in the same pass."""
+
+    def __init__(self, problem):
+        self.problem = problem
+        self.by_name: dict[str, TensorRecord] = {}
+        self.by_key: dict[str, TensorRecord] = {}
+        self.digest_lines: list[str] = []
+
+    def add(self, name: str, record: TensorRecord) -> None:
+        problem = self.problem
+        self.digest_lines.append(digest_line(name, record))
+        if name in self.by_name:
+            problem(ManifestError, f"tensor {name!r} is recorded twice")
+        bad = _check_record(record)
+        if bad:
+            problem(ManifestError, f"tensor {name!r}: {bad}")
+        if record.alias_of is not None:
+            _check_alias(name, record, self.by_name, problem)
+        elif record.key is not None:
+            if record.key in self.by_key:
+                problem(ManifestError, f"tensor file key {record.key!r} is used twice")
+            self.by_key[record.key] = record
+        elif record.nbytes:
+            problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
+        self.by_name.setdefault(name, record)
+
+    def check_bound_to(self, ref: TensorFileRef, what: str) -> None:
+        """The digest and count bound to the tensor file ``ref`` must be these records'."""
+        if digest_of_lines(self.digest_lines) != ref.digest:
+            self.problem(
+                IntegrityError,
+                f"the tensor records of {what} do not match the digest bound to its tensor file: the manifest was "
+                "edited or belongs to another checkpoint; re-save it",
+            )
+        if len(self.by_key) != ref.tensor_count:
+            self.problem(
+                IntegrityError,
+                f"{len(self.by_key)} stored tensors recorded for {what}, its tensor file entry says {ref.tensor_count}",
+            )
+
+
 def check_manifest(
     manifest: Manifest,
     manifest_path: FileLocation,
@@ -79,7 +122,7 @@ def check_manifest(
     check_the_seal: bool = True,
 ) -> tuple[list[Problem], dict[str, TensorRecord]]:
     """The seal (unless ``check_the_seal`` is false), then record-level checks; returns problems and the stored
-    records by file key."""
+    records of the main tensor file by key (``check_added_forms`` gives each added form's)."""
     problems: list[Problem] = []
     where = str(manifest_path)
 
@@ -90,36 +133,16 @@ def check_manifest(
     if sealed is not None:
         problem(*sealed)
 
-    records_by_name: dict[str, TensorRecord] = {}
-    by_key: dict[str, TensorRecord] = {}
+    records = _Records(problem)
     paths: set[str] = set()
     known = known_replays()
-    digest_lines: list[str] = []  # the digest is taken in this same pass: one full name per record
-
-    def check_record(name: str, record: TensorRecord) -> None:
-        digest_lines.append(digest_line(name, record))
-        if name in records_by_name:
-            problem(ManifestError, f"tensor {name!r} is recorded twice")
-        bad = _check_record(record)
-        if bad:
-            problem(ManifestError, f"tensor {name!r}: {bad}")
-        if record.alias_of is not None:
-            _check_alias(name, record, records_by_name, problem)
-        elif record.key is not None:
-            if record.key in by_key:
-                problem(ManifestError, f"tensor file key {record.key!r} is used twice")
-            by_key[record.key] = record
-        elif record.nbytes:
-            problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
-        records_by_name.setdefault(name, record)
-
     for module in manifest.modules:
         if module.path in paths:
             problem(ManifestError, f"module {module.path!r} is recorded twice")
         paths.add(module.path)
         _check_module_replay(module, known, problem)
         for record in module.tensors:
-            check_record(full_name(module.path, record.name), record)
+            records.add(full_name(module.path, record.name), record)
     for module in manifest.modules:  # the raw fallbacks, after every layer's own tensors (as in the file)
         if module.fallback and (module.state != "processed" or module.replay == REPLAY_NONE):
             problem(ManifestError, f"layer {module.path!r} has a raw fallback but is not a processed layer")
@@ -127,25 +150,47 @@ def check_manifest(
             name = fallback_name(full_name(module.path, record.name))
             if record.alias_of is not None:
                 problem(ManifestError, f"raw fallback {name!r} is an alias; fallbacks store every tensor")
-            check_record(name, record)
+            records.add(name, record)
     if manifest.format_version < required_format_version(manifest):
         problem(
             ManifestError,
-            f"the manifest says format version {manifest.format_version} but holds raw fallbacks (version "
-            f"{required_format_version(manifest)}): it was edited by hand; re-save the checkpoint",
+            f"the manifest says format version {manifest.format_version} but holds raw fallbacks or added forms "
+            f"(version {required_format_version(manifest)}): it was edited by hand; re-save the checkpoint",
         )
-    if digest_of_lines(digest_lines) != manifest.tensor_file.digest:
-        problem(
-            IntegrityError,
-            "the tensor records do not match the digest bound to the tensor file: the manifest was edited "
-            "or belongs to another checkpoint; re-save it",
-        )
-    if len(by_key) != manifest.tensor_file.tensor_count:
-        problem(
-            IntegrityError,
-            f"{len(by_key)} stored tensors recorded, the manifest's tensor file entry says "
-            f"{manifest.tensor_file.tensor_count}",
-        )
+    records.check_bound_to(manifest.tensor_file, "the manifest")
+    return problems, records.by_key
+
+
+def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[list[Problem], list[dict]]:
+    """Each added form's records: processed layers of the manifest that have a fallback, checked as the main
+    file's are and bound to its own tensor file. Returns problems and, per form, its stored records by key."""
+    problems: list[Problem] = []
+    where = str(manifest_path)
+
+    def problem(kind: type[TensorizerManifestError], message: str) -> None:
+        problems.append(Problem(kind, where, message))
+
+    layers = manifest.module_map()
+    known = known_replays()
+    by_key: list[dict] = []
+    for index, form in enumerate(manifest.added_forms):
+        what = f"added form {index} ({form.tensor_file.path})"
+        records = _Records(problem)
+        seen: set[str] = set()
+        for module in form.modules:
+            saved = layers.get(module.path)
+            if saved is None or not saved.fallback:
+                problem(ManifestError, f"{what}: layer {module.path!r} is not a layer of the manifest with a fallback")
+            if module.path in seen:
+                problem(ManifestError, f"{what}: layer {module.path!r} is recorded twice")
+            seen.add(module.path)
+            if module.state != "processed" or module.replay in (REPLAY_NONE, REPLAY_POST_LOAD) or module.fallback:
+                problem(ManifestError, f"{what}: layer {module.path!r} must be a processed form a restorer replays")
+            _check_module_replay(module, known, problem)
+            for record in module.tensors:
+                records.add(full_name(module.path, record.name), record)
+        records.check_bound_to(form.tensor_file, what)
+        by_key.append(records.by_key)
     return problems, by_key
 
 

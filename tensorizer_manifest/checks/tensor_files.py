@@ -18,27 +18,23 @@ from ..errors import (
     TensorizerManifestError,
 )
 from ..progress import ProgressCallback, ProgressCounter
-from ..schema import (
-    EncryptionKey,
-    Manifest,
-    TensorRecord,
-)
+from ..schema import EncryptionKey, TensorFileRef, TensorRecord
 from ..tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
 from ..tensors import hash_tensor
 from .report import Problem
 
 
-def check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
+def check_tensor_file(ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord]) -> list[Problem]:
     """File-level checks from metadata only: size, prefix, head hash, tensorizer's index.
 
     A remote file that cannot be read is one problem of its ``RemoteStorageError`` kind.
     """
     try:
-        problems = check_before_parsing(manifest, tensor_path, by_key)
+        problems = check_before_parsing(ref, tensor_path, by_key)
         if problems:
             return problems  # tensorizer never sees a file whose header and index are not the saved ones
         try:
-            index = read_index(tensor_path, encrypted=manifest.tensor_file.encryption != "none")
+            index = read_index(tensor_path, encrypted=ref.encryption != "none")
         except RemoteStorageError:
             raise
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
@@ -50,40 +46,39 @@ def check_tensor_file(manifest: Manifest, tensor_path: FileLocation, by_key: dic
                     "the file's header does not match the manifest",
                 )
             ]
-        return check_index(manifest, tensor_path, by_key, index)
+        return check_index(ref, tensor_path, by_key, index)
     except RemoteStorageError as exc:
         return [Problem(type(exc), str(tensor_path), str(exc))]
 
 
 def check_before_parsing(
-    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
+    ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
 ) -> list[Problem]:
     """What plain reads can check before tensorizer parses a byte: the size, then the prefix."""
     where = str(tensor_path)
     size = file_size(tensor_path)
-    if size != manifest.tensor_file.size:
+    if size != ref.size:
         return [
             Problem(
                 IntegrityError,
                 where,
-                f"{size} bytes, the manifest says {manifest.tensor_file.size}: "
-                "the file is truncated, padded or from another save",
+                f"{size} bytes, the manifest says {ref.size}: the file is truncated, padded or from another save",
             )
         ]
     total = sum(r.nbytes for r in by_key.values())
     if total > size:
         return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
-    prefix = _check_prefix(manifest, tensor_path, size)
+    prefix = _check_prefix(ref, tensor_path, size)
     return [prefix] if prefix is not None else []
 
 
 def check_index(
-    manifest: Manifest, tensor_path: FileLocation, by_key: dict[str, TensorRecord], index: dict[str, IndexEntry]
+    ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord], index: dict[str, IndexEntry]
 ) -> list[Problem]:
     """tensorizer's index of the file (already parsed) and the bytes around the data against the manifest."""
-    where, size = str(tensor_path), manifest.tensor_file.size  # the size was checked before parsing
+    where, size = str(tensor_path), ref.size  # the size was checked before parsing
     problems: list[Problem] = []
-    if manifest.tensor_file.head_hash is not None and head_hash(tensor_path, index) != manifest.tensor_file.head_hash:
+    if ref.head_hash is not None and head_hash(tensor_path, index) != ref.head_hash:
         problems.append(
             Problem(
                 IntegrityError,
@@ -133,14 +128,14 @@ def check_index(
     return problems
 
 
-def _check_prefix(manifest: Manifest, tensor_path: FileLocation, size: int) -> Problem | None:
+def _check_prefix(ref: TensorFileRef, tensor_path: FileLocation, size: int) -> Problem | None:
     """tensorizer's file header and index against the manifest, with plain reads of at most the file's size.
 
     tensorizer believes the size fields it finds there (a damaged index length
     makes it allocate what it claims), so they are checked before it opens the
     file. Manifests of 0.2.0 and older have no prefix: tensorizer reads their index unchecked.
     """
-    ref, where = manifest.tensor_file, str(tensor_path)
+    where = str(tensor_path)
     if ref.prefix_size is None and ref.prefix_hash is None:
         return None
     if ref.prefix_size is None or ref.prefix_hash is None:

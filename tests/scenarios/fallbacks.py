@@ -9,6 +9,9 @@ Usage: python tests/scenarios/fallbacks.py CHECKPOINT WORKDIR KIND [--as-saved-o
 - ``older-vllm``: the fingerprint says vLLM 0.31.0 saved it (re-sealed): every layer whose processed form
   is kernel-specific must load through its fallback (the policy of ``fingerprint.PROCESSED_ONLY``).
 - ``other-form-damaged``: as ``other-form``, with one byte of that layer's fallback flipped: refused.
+- ``added-form``: every layer with a fallback records the other machine's form, then ``add_form`` adds this
+  machine's (an engine of its own, before the counted loads): those layers must load that form, processed.
+  ``add-form-float16`` is the same ``add_form`` with another dtype than the saved one: refused.
 
 Each case runs on real vLLM in this process with vLLM's post-load steps counted per layer and every tensor
 the reader hands out counted; prints ``FALLBACKS_RESULT {json}`` (vLLM's log, on stdout, names each
@@ -42,7 +45,7 @@ def main() -> None:
 
     def counting_stream(self, *args, **kwargs):
         for key, tensor in stream(self, *args, **kwargs):
-            read["keys"].append([key, tensor.numel() * tensor.element_size()])
+            read["keys"].append([self.path.name, key, tensor.numel() * tensor.element_size()])
             yield key, tensor
 
     tensor_file.TensorFileReader.stream = counting_stream
@@ -59,6 +62,22 @@ def main() -> None:
         cases["older-vllm"] = edited_copy(checkpoint, workdir / f"{kind}-older-vllm", older_vllm)
         cases["other-form-damaged"] = edited_copy(checkpoint, workdir / f"{kind}-damaged", other_form, damage=True)
     result: dict = {}
+    if not as_saved_only:
+        # The other machine's checkpoint (every layer with a fallback records the other form), and this machine
+        # adds its own form to it: add_form starts an engine here, before the counted loads.
+        from tensorizer_manifest.add_form import add_form
+
+        added = edited_copy(checkpoint, workdir / f"{kind}-added-form", as_the_other_machine)
+        result["add-form"] = add_form(added).ranks[0]
+        cases["added-form"] = added
+        refused = edited_copy(checkpoint, workdir / f"{kind}-add-form-float16", as_the_other_machine)
+        try:
+            add_form(refused, engine_args={"dtype": "float16"})
+            result["add-form-float16"] = {"error": None}
+        except Exception as exc:  # noqa: BLE001
+            found = error_summary(exc)
+            result["add-form-float16"] = {"error": f"{found['error']}: {found['message']}"}
+        result["add-form-float16"]["files"] = sorted(p.name for p in refused.iterdir())
     for name, path in cases.items():
         counts.clear()
         read["keys"] = []
@@ -81,9 +100,17 @@ def main() -> None:
                 "keys": [t.key for t in m.tensors if t.key is not None and t.alias_of is None],
                 "fallback_keys": [t.key for t in m.fallback],
                 "fallback_bytes": sum(t.nbytes for t in m.fallback),
+                "hashes": {t.name: t.hash for t in m.tensors},
             }
             for m in manifest.modules
         }
+        entry["tensor_file"] = manifest.tensor_file.path
+        entry["added_forms"] = [
+            {"tensor_file": f.tensor_file.path, "cpu_features": f.fingerprint.cpu_features,
+             "layers": {m.path: {"keys": [t.key for t in m.tensors if t.key and not t.alias_of], "form": m.form,
+                                 "hashes": {t.name: t.hash for t in m.tensors}} for m in f.modules}}
+            for f in manifest.added_forms
+        ]  # fmt: skip
         result[name] = entry
     print("FALLBACKS_RESULT " + json.dumps(result))
 
