@@ -14,9 +14,11 @@ machinery): ``default`` (vLLM's default loader from safetensors: it repacks ever
 prepacks every expert), ``manifest-processed`` (a checkpoint saved with the default policy: those
 layers saved processed, nothing repacked at load), ``manifest-fallback`` (the same checkpoint as the other
 x86 machine sees it: every layer with a raw fallback records the other ISA, ``tests/helpers/other_machine.py``,
-so those layers load through their fallback and vLLM's step) and ``manifest-portable`` (``save --portable``:
-every layer raw, vLLM's step runs at load as in the default loader). The size the fallbacks add is the
-processed checkpoint's tensor file against one saved with ``--no-fallbacks``. Figures, never assertions.
+so those layers load through their fallback and vLLM's step), ``manifest-added-form`` (that checkpoint after
+``add-form`` on this machine: those layers load the form it added, processed) and ``manifest-portable``
+(``save --portable``: every layer raw, vLLM's step runs at load as in the default loader). The size the
+fallbacks add is the processed checkpoint's tensor file against one saved with ``--no-fallbacks``. Figures,
+never assertions.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def why_not_here(kind: str) -> str | None:
     return None
 
 
-PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-portable")
+PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-added-form", "manifest-portable")
 
 
 def prepare(work: Path, name: str) -> dict[str, str]:
@@ -77,7 +79,18 @@ def prepare(work: Path, name: str) -> dict[str, str]:
 
     other = edited_copy(Path(dirs["processed"]), work / f"ckpt-{name}-other-machine", as_the_other_machine)
     dirs["fallback"] = str(other)
+    added = work / f"ckpt-{name}-added-form"
+    if not (added / "model.manifest.json").exists() or not read_manifest(added / "model.manifest.json").added_forms:
+        edited_copy(Path(dirs["processed"]), added, as_the_other_machine)
+        dirs["save-added-form"] = bench_load.run_child("add-form", str(added), "")
+    dirs["added-form"] = str(added)
     return dirs
+
+
+def read_manifest(path: Path):
+    from tensorizer_manifest.checkpoint import read_manifest as read
+
+    return read(path)
 
 
 def sizes(dirs: dict[str, str]) -> dict:
@@ -100,7 +113,7 @@ def summarise(name: str, runs: list[dict]) -> dict:
     by_path: dict[str, list[dict]] = {}
     for run in runs:
         by_path.setdefault(run["path"], []).append(run)
-    for ours in ("manifest-processed", "manifest-fallback", "manifest-portable"):
+    for ours in ("manifest-processed", "manifest-fallback", "manifest-added-form", "manifest-portable"):
         pairs = zip(by_path[ours], by_path["default"], strict=True)
         summary["ratios"][f"{ours} / default: load_model"] = bench_load.spread(
             [a["seconds"]["load_model"] / b["seconds"]["load_model"] for a, b in pairs]
@@ -120,7 +133,8 @@ def plot(summaries: list[dict], path: Path) -> None:
         print("(matplotlib is not installed: no plot; `make bench` installs it)")
         return
     fig, axes = plt.subplots(1, len(summaries), figsize=(4.5 * len(summaries), 4), squeeze=False)
-    colors = {"default": "#888", "manifest-processed": "#195", "manifest-fallback": "#c83", "manifest-portable": "#2a7"}
+    colors = {"default": "#888", "manifest-processed": "#195", "manifest-fallback": "#c83",
+              "manifest-added-form": "#38b", "manifest-portable": "#2a7"}  # fmt: skip
     for ax, summary in zip(axes[0], summaries, strict=True):
         rows = [summary["paths"][p]["load_model"] for p in PATHS]
         med = [r["median"] for r in rows]
@@ -158,7 +172,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for path in PATHS if round_ % 2 == 0 else PATHS[::-1]:
                 target = {"default": dirs["model"], "manifest-processed": dirs["processed"],
-                          "manifest-fallback": dirs["fallback"],
+                          "manifest-fallback": dirs["fallback"], "manifest-added-form": dirs["added-form"],
                           "manifest-portable": dirs["portable"]}[path]  # fmt: skip
                 runs.append(bench_load.run_child(path, target, ""))
         summary = summarise(name, runs)

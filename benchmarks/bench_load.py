@@ -232,6 +232,13 @@ def child(argv: list[str]) -> dict:
         save_checkpoint(argv[1], argv[2], dtype="bfloat16", portable=portable, fallbacks=fallbacks)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
+    if mode == "add-form":  # add this machine's form to the checkpoint in argv[1], timed
+        from tensorizer_manifest.add_form import add_form
+
+        start = time.perf_counter()
+        ranks = add_form(argv[1]).ranks
+        return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": {},
+                "added": ranks[0]["added"]}  # fmt: skip
     if mode == "native":
         from vllm import LLM
 

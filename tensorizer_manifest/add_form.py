@@ -11,6 +11,7 @@ machine kind loads those layers processed too; the others are unchanged.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .checkpoint import read_manifest
 from .errors import CheckpointNotFoundError, ConfigurationError
 from .options import S3Options, describe_validation_error
-from .remote import is_remote
+from .remote import RemoteDir, fetch_model_files, is_remote
 from .save import (
     encryption_key_file_path,
     read_model_config,
@@ -53,7 +54,8 @@ class AddFormOptions(S3Options):
 
 @dataclass
 class AddFormResult:
-    checkpoint: Path
+    checkpoint: Path | str
+    """The local directory, or the ``s3://`` URI."""
     ranks: list[dict] = field(default_factory=list)
     """Per rank: the layers added (``added``), the fallback layers no verified restorer covers here
     (``not_added``, with why), the new tensor file and its bytes."""
@@ -75,21 +77,52 @@ def engine_settings(manifest_path: Path) -> dict[str, Any]:
 def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     """Add this machine's processed form of the layers that load here through their raw fallback.
 
-    Refused before an engine starts when no layer of the checkpoint has a fallback (saved with
-    ``--no-fallbacks`` or ``--portable``, or by 0.3 and older: re-save it). Crash-safe as saving is: the
-    new tensor file first, the manifest replaced in one rename; a loader reading the old manifest meanwhile
-    still loads, and an interrupted run leaves the checkpoint as it was.
+    ``checkpoint`` is a directory or an ``s3://bucket/prefix`` (credentials: the ``s3_*`` options, else
+    ``~/.s3cfg``, else ``AWS_*`` variables). Refused before an engine starts when no layer of the checkpoint
+    has a fallback (saved with ``--no-fallbacks`` or ``--portable``, or by 0.3 and older: re-save it).
+    Crash-safe as saving is: the new tensor file first, the manifest replaced in one rename (one upload on
+    S3); a loader reading the old manifest meanwhile still loads, and an interrupted run leaves the
+    checkpoint as it was.
     """
     try:
         opts = AddFormOptions(**options)
     except ValidationError as exc:
         raise ConfigurationError(f"invalid add-form option: {describe_validation_error(exc)}") from None
     if is_remote(str(checkpoint)):
-        raise ConfigurationError(
-            f"{checkpoint}: add-form writes into a local checkpoint directory; fetch the checkpoint, add the form, "
-            "and upload it again (tensor files first, manifests last)"
-        )
-    directory = Path(checkpoint).expanduser().resolve()
+        return _add_form_remote(str(checkpoint), opts)
+    if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
+        raise ConfigurationError("the s3_* options are for an s3:// checkpoint; this one is a local directory")
+    return _add_form(Path(checkpoint).expanduser().resolve(), opts)
+
+
+def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
+    """An ``s3://`` checkpoint: its manifests and model files are staged in a temporary directory, the engine
+    streams the tensors from ``uri``, and the new tensor files are uploaded first, the manifests last (each
+    upload is atomic: a loader meanwhile reads the old manifest and its files, all still there)."""
+    remote = opts.remote()
+    location = RemoteDir(uri, remote)
+    if location.scheme != "s3":
+        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
+        stage = Path(staging)
+        fetch_model_files(uri, stage, remote)
+        names = location.list_names()
+        for name in names:
+            if name.endswith(MANIFEST_SUFFIX):
+                (location / name).download(stage / name)
+        result = _add_form(stage, opts, checkpoint_dir=uri)
+        new_files = [rank["tensor_file"] for rank in result.ranks if rank["tensor_file"]]
+        for name in new_files:
+            (location / name).upload(stage / name)
+        if new_files:
+            for path in sorted(stage.glob(f"*{MANIFEST_SUFFIX}")):
+                (location / path.name).upload(path)
+    return AddFormResult(checkpoint=uri, ranks=result.ranks)
+
+
+def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None = None) -> AddFormResult:
+    """Add the form to the checkpoint whose manifests are in ``directory`` (its tensors at ``checkpoint_dir``,
+    by default beside them)."""
     manifests = sorted(directory.glob(f"*{MANIFEST_SUFFIX}")) if directory.is_dir() else []
     if not manifests:
         raise CheckpointNotFoundError(f"{directory}: no *{MANIFEST_SUFFIX} here: not a tensorizer-manifest checkpoint")
@@ -104,6 +137,14 @@ def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     encryption_key_file = encryption_key_file_path(opts.encryption_key_file)
     config = read_model_config(directory)
     loader_config: dict[str, Any] = {"add_form": True}
+    if checkpoint_dir is not None:
+        loader_config["checkpoint_dir"] = checkpoint_dir
+        remote = opts.remote()
+        loader_config.update(
+            {k: v for k, v in (("s3_access_key_id", remote.access_key_id),
+                               ("s3_secret_access_key", remote.secret_access_key),
+                               ("s3_endpoint", remote.endpoint)) if v is not None}
+        )  # fmt: skip
     if key_file is not None:
         loader_config["signing_key_file"] = key_file
     if encryption_key_file is not None:

@@ -537,23 +537,29 @@ def save(
 
 
 @app.command("add-form")
-@click.argument("checkpoint", type=_PATH)
+@click.argument("checkpoint")
 @click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
 @click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
 @click.option("--encryption-key-file", type=_PATH, default=None, help="An encrypted checkpoint's key.")
+@remote_options
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
 def add_form_command(
-    checkpoint: Path,
+    checkpoint: str,
     engine_arg: tuple[str, ...],
     signing_key_file: Path | None,
     encryption_key_file: Path | None,
+    s3_access_key_id: str | None,
+    s3_secret_access_key: str | None,
+    s3_endpoint: str | None,
     json: bool,
 ) -> None:
-    """Add this machine's processed form to CHECKPOINT (a local directory saved with raw fallbacks).
+    """Add this machine's processed form to CHECKPOINT (a directory or s3://bucket/prefix saved with raw
+    fallbacks).
 
     Loads it here with vLLM (the saved engine settings), runs vLLM's step on every layer whose saved form
     this machine or this vLLM would not produce, and adds the result as a tensor file and manifest entries
-    of its own, sealed again. From then on this machine kind loads those layers processed."""
+    of its own, sealed again (on S3: the tensor file uploaded first, the manifest last). From then on this
+    machine kind loads those layers processed."""
     from .add_form import add_form
 
     try:
@@ -562,6 +568,9 @@ def add_form_command(
             engine_args=parse_engine_args(engine_arg),
             signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
             encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+            s3_access_key_id=s3_access_key_id,
+            s3_secret_access_key=s3_secret_access_key,
+            s3_endpoint=s3_endpoint,
         )
     except TensorizerManifestError as exc:
         _fail(exc)

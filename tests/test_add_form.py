@@ -19,8 +19,8 @@ def test_a_checkpoint_without_fallbacks_is_refused_saying_how_to_get_them(tmp_pa
 def test_what_is_not_a_local_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="not a tensorizer-manifest checkpoint"):
         add_form(tmp_path)
-    with pytest.raises(ConfigurationError, match="local checkpoint directory"):
-        add_form("s3://bucket/prefix")
+    with pytest.raises(ConfigurationError, match="only s3:// checkpoints can be written"):
+        add_form("http://host/prefix")
     with pytest.raises(ConfigurationError, match="invalid add-form option"):
         add_form(tmp_path, max_model_len=4)
 
@@ -35,3 +35,9 @@ def test_the_engine_gets_the_settings_the_checkpoint_was_saved_with(tmp_path):
         "kv_cache_dtype": "auto",
         "enable_expert_parallel": False,
     }
+
+
+def test_s3_options_for_a_local_checkpoint_are_refused(tmp_path):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    with pytest.raises(ConfigurationError, match="s3_\\* options are for an s3:// checkpoint"):
+        add_form(checkpoint, s3_endpoint="http://127.0.0.1:1")

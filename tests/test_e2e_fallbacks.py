@@ -29,11 +29,13 @@ def _has_amx() -> bool:
 
 
 @pytest.fixture(scope="module", params=[kind_param(k) for k in MACHINE_SPECIFIC])
-def loads(request, scenarios, e2e_dir):
+def loads(request, scenarios, e2e_dir, moto_s3):
     kind = request.param
     saved = scenarios.e2e(kind)
+    s3 = {"TM_TEST_S3_ENDPOINT": moto_s3.endpoint, "TM_TEST_S3_KEY_ID": moto_s3.key_id,
+          "TM_TEST_S3_SECRET": moto_s3.secret}  # fmt: skip
     result = run_script("scenarios/fallbacks.py", saved["checkpoint"], str(e2e_dir), kind, marker="FALLBACKS_RESULT",
-                        output=True)  # fmt: skip
+                        output=True, env=s3)  # fmt: skip
     return kind, saved, result
 
 
@@ -206,3 +208,18 @@ def test_after_add_form_the_other_machine_loads_processed_and_bitwise_its_defaul
     assert other["tokens"] == other["reference_tokens"]
     for name, digest in other["added_hashes"].items():
         assert other["reference_hashes"][name] == digest, f"{name}: not what vLLM's default loader makes there"
+
+
+def test_add_form_works_on_s3_and_the_checkpoint_then_loads_processed_from_there(loads):
+    _, saved, result = loads
+    with_fallback = _with_fallback(result["as-saved"])
+    added = result["s3-add-form"]
+    assert sorted(added["added"]) == sorted(with_fallback)
+    assert (
+        added["tensor_file"] in added["objects"] and len([o for o in added["objects"] if o.endswith(".tensors")]) == 2
+    )
+    entry = result["s3-added-form"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["added_form"] == len(with_fallback) and entry["forms"]["fallback"] == 0
+    assert not _steps_on(entry, with_fallback)

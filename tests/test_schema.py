@@ -306,3 +306,15 @@ def test_an_encryption_key_is_never_shown_or_pickled_and_its_derived_keys_differ
     # documented, so that tensorizer alone can decrypt: blake3 derive_key with this context
     context = "tensorizer-manifest 2025 tensorizer encryption key v1"
     assert tensorizer_key == blake3.blake3(material, derive_key_context=context).digest()
+
+
+def test_the_checked_in_v2_checkpoint_still_reads_and_validates():
+    """Written by 0.4.0.dev0 with a raw fallback and an added form; never regenerate it: later versions must
+    keep reading it (and its seal must keep matching) as this one does."""
+    directory = Path(__file__).parent / "fixtures" / "v2-checkpoint"
+    manifest, _ = load_manifest(directory)
+    assert manifest.format_version == 2 and manifest.producer == "tensorizer-manifest 0.4.0.dev0"
+    assert sum(1 for m in manifest.modules if m.fallback) == 1 and len(manifest.added_forms) == 1
+    report = validate_checkpoint(directory)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored == manifest.tensor_file.tensor_count + 1

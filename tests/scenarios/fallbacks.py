@@ -12,6 +12,8 @@ Usage: python tests/scenarios/fallbacks.py CHECKPOINT WORKDIR KIND [--as-saved-o
 - ``added-form``: every layer with a fallback records the other machine's form, then ``add_form`` adds this
   machine's (an engine of its own, before the counted loads): those layers must load that form, processed.
   ``add-form-float16`` is the same ``add_form`` with another dtype than the saved one: refused.
+- ``s3-added-form`` (with ``TM_TEST_S3_ENDPOINT``, ``_KEY_ID``, ``_SECRET``): the other machine's checkpoint
+  on S3, ``add_form`` on its URI, loaded from there.
 
 Each case runs on real vLLM in this process with vLLM's post-load steps counted per layer and every tensor
 the reader hands out counted; prints ``FALLBACKS_RESULT {json}`` (vLLM's log, on stdout, names each
@@ -78,17 +80,42 @@ def main() -> None:
             found = error_summary(exc)
             result["add-form-float16"] = {"error": f"{found['error']}: {found['message']}"}
         result["add-form-float16"]["files"] = sorted(p.name for p in refused.iterdir())
+    s3 = None
+    if not as_saved_only and os.environ.get("TM_TEST_S3_ENDPOINT"):
+        # The same on S3: the other machine's checkpoint uploaded, add_form on its URI, then loaded from there.
+        from helpers.servers import BUCKET
+
+        from tensorizer_manifest.remote import RemoteDir, RemoteOptions, fetch_model_files, upload_checkpoint
+
+        endpoint, key_id, secret = (os.environ[f"TM_TEST_S3_{k}"] for k in ("ENDPOINT", "KEY_ID", "SECRET"))
+        creds = {"s3_access_key_id": key_id, "s3_secret_access_key": secret, "s3_endpoint": endpoint}
+        uri = f"s3://{BUCKET}/fallbacks/{kind}-{os.getpid()}"
+        upload_checkpoint(edited_copy(checkpoint, workdir / f"{kind}-s3", as_the_other_machine), uri,
+                          RemoteOptions(key_id, secret, endpoint))  # fmt: skip
+        result["s3-add-form"] = add_form(uri, **creds).ranks[0]
+        result["s3-add-form"]["objects"] = RemoteDir(uri, RemoteOptions(key_id, secret, endpoint)).list_names()
+        s3 = (fetch_model_files(uri, workdir / f"{kind}-s3-cache", RemoteOptions(key_id, secret, endpoint)),
+              {"checkpoint_dir": uri, **creds})  # fmt: skip
+        cases["s3-added-form"] = s3[0]
     for name, path in cases.items():
         counts.clear()
         read["keys"] = []
         report: dict = {}
         entry: dict = {"error": None}
+        loader = s3[1] if s3 is not None and path == s3[0] else None
         try:
-            entry["tokens"] = generate_tokens(path, "tensorizer_manifest", report=report, **engine_args(kind))[0]
+            entry["tokens"] = generate_tokens(
+                path, "tensorizer_manifest", report=report, loader_config=loader, **engine_args(kind)
+            )[0]
         except Exception as exc:  # noqa: BLE001
             found = error_summary(exc)
             entry["error"] = f"{found['error']}: {found['message']}"
-        manifest = schema.decode_manifest((path / "model.manifest.json").read_bytes())
+        if loader is not None:
+            from tensorizer_manifest.checkpoint import load_manifest
+
+            manifest = load_manifest(loader["checkpoint_dir"], remote=RemoteOptions(key_id, secret, endpoint))[0]
+        else:
+            manifest = schema.decode_manifest((path / "model.manifest.json").read_bytes())
         entry["forms"] = report.get("forms")
         entry["post_load_counts"] = {f"{label}:{layer}": n for (label, layer), n in counts.items()}
         entry["keys_read"] = read["keys"]
