@@ -108,16 +108,18 @@ def needs_same_kernels(manifest: Manifest) -> bool:
     return False
 
 
-def compare(saved: Fingerprint, current: Fingerprint, manifest: Manifest) -> list[tuple[str, object, object]]:
-    """Every field that differs and matters under the policy above: ``(field, saved, current)``."""
-    fields = list(EXACT)
-    if needs_same_kernels(manifest):
-        fields += list(PROCESSED_ONLY)
+def differences(saved: Fingerprint, current: Fingerprint, fields) -> list[tuple[str, object, object]]:
+    """``(field, saved, current)`` for each of ``fields`` that differs."""
     return [
         (name, getattr(saved, name), getattr(current, name))
         for name in fields
         if getattr(saved, name) != getattr(current, name)
     ]
+
+
+def compare(saved: Fingerprint, current: Fingerprint, manifest: Manifest) -> list[tuple[str, object, object]]:
+    """Every field that differs and matters under the policy above: ``(field, saved, current)``."""
+    return differences(saved, current, EXACT + (PROCESSED_ONLY if needs_same_kernels(manifest) else ()))
 
 
 def check_compatible(saved: Fingerprint, current: Fingerprint, manifest: Manifest, source: str) -> None:

@@ -2,12 +2,14 @@
 
 A processed layer whose form belongs to one machine kind or one kernel may carry
 a raw fallback (``ModuleRecord.fallback``). This module decides, per layer and
-from the freshly built model alone, which of the two this engine loads: the
-processed form where this machine and this vLLM would produce it, else the raw
+from the freshly built model alone, which form this engine loads: the saved
+processed form where this machine and this vLLM would produce it, else the
+first form another engine added (``add-form``) that fits, else the raw
 fallback, which then replays as any raw layer does (vLLM's own step, once).
 The choice becomes an *effective manifest* in which the layers that fall back
-are plain raw records, so that everything after it (``load.check_model``, the
-reader, ``replay``) works on one form per layer and never sees the other. A
+are plain raw records (and those that take an added form, that form's record),
+so that everything after it (``load.check_model``, the reader, ``replay``) works
+on one form per layer and never sees the other. A
 processed layer that does not fit and has no fallback stays as it is, and
 ``load.check_forms`` or ``fingerprint.check_compatible`` refuses it as before.
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from .fingerprint import PROCESSED_ONLY
+from .fingerprint import PROCESSED_ONLY, differences
 from .layers import find_kernels
 from .restorers import RESTORERS
 from .schema import REPLAY_POST_LOAD, Fingerprint, Manifest, ModuleRecord, kernel_map, qualified_class
@@ -73,8 +75,7 @@ def why_not_processed(
     if restorer is None:
         return f"no restorer {record.replay!r} in this tensorizer-manifest"
     if not restorer.kernel_independent:
-        engine = [(name, getattr(saved, name), getattr(current, name)) for name in PROCESSED_ONLY]
-        changed = [(name, was, now) for name, was, now in engine if was != now]
+        changed = differences(saved, current, PROCESSED_ONLY)
         if changed:
             return "saved by an engine with " + ", ".join(
                 f"{name} {was!r} (this engine: {now!r})" for name, was, now in changed
@@ -82,14 +83,23 @@ def why_not_processed(
     here = restorer.form(module)
     if here != record.form:
         return f"form {record.form} recorded, this machine gives {here}"
-    fresh = kernel_map(find_kernels(module))
-    for (owner, attr), saved_class in kernel_map(record.kernels).items():
-        now = fresh.get((owner, attr))
-        if now is not None and now != saved_class:
-            return f"kernel {owner}.{attr} {saved_class} recorded, this engine builds {now}"
+    if changed_kernels := kernel_differences(record, module):
+        owner, attr, saved_class, now = changed_kernels[0]
+        return f"kernel {owner}.{attr} {saved_class} recorded, this engine builds {now}"
     if record.verified is not False and not restorer.verified_for(current.device_type):
         return f"restorer {restorer.name} is not verified on {current.device_type}"
     return None
+
+
+def kernel_differences(record: ModuleRecord, module: torch.nn.Module) -> list[tuple[str, str, str, str]]:
+    """``(owner, attr, saved class, built class)`` for each recorded kernel the freshly built layer already has
+    in another class (kernels made later, by vLLM's step, are not compared here)."""
+    fresh = kernel_map(find_kernels(module))
+    return [
+        (owner, attr, saved_class, fresh[(owner, attr)])
+        for (owner, attr), saved_class in kernel_map(record.kernels).items()
+        if fresh.get((owner, attr)) not in (None, saved_class)
+    ]
 
 
 def as_raw(record: ModuleRecord) -> ModuleRecord:

@@ -15,10 +15,11 @@ import torch
 
 from . import _vllm_compat
 from .errors import CompatibilityError, IntegrityError
-from .layers import find_kernels, has_post_load, module_tensors
+from .forms import kernel_differences
+from .layers import has_post_load, module_tensors
 from .progress import ProgressCallback, ProgressCounter
 from .restorers import RESTORERS
-from .schema import Manifest, ModuleRecord, TensorRecord, full_name, kernel_map, qualified_class
+from .schema import Manifest, ModuleRecord, TensorRecord, full_name, qualified_class
 from .tensor_file import TensorFileReader
 from .tensors import dtype_name, hash_tensor, make_parameter, materialize
 
@@ -45,11 +46,8 @@ def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
         # Kernels the model already has when built must match for layers a restorer replays;
         # raw layers get theirs chosen again by vLLM's own step.
         if record.state == "processed" and record.replay != "none":
-            fresh_kernels = kernel_map(find_kernels(module))
-            for (owner, attr), saved_class in kernel_map(record.kernels).items():
-                now = fresh_kernels.get((owner, attr))
-                if now is not None and now != saved_class:
-                    problems.append((f"{path}.{owner}.{attr}", saved_class, now))
+            for owner, attr, saved_class, now in kernel_differences(record, module):
+                problems.append((f"{path}.{owner}.{attr}", saved_class, now))
         problems.extend(_check_layer_tensors(path, record, module))
     if problems:
         detail = "; ".join(f"{what}: saved {a}, this engine {b}" for what, a, b in problems[:20])
