@@ -19,11 +19,12 @@ from .errors import (
     CompatibilityError,
     ConfigurationError,
     ManifestError,
+    NoManifestError,
     RemoteNotFoundError,
     TensorizerManifestError,
 )
 from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
-from .schema import MANIFEST_SUFFIX, EncryptionKey, Manifest, SigningKey, TensorFileRef, decode_manifest
+from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, EncryptionKey, Manifest, SigningKey, TensorFileRef, decode_manifest
 
 _Key = TypeVar("_Key", SigningKey, EncryptionKey)
 
@@ -79,45 +80,141 @@ def layout_mismatch(where: object, wanted_stem: str, manifest_names: list[str]) 
     )
 
 
+#: ``model.tensors`` (stock vLLM's name) or ``model.<16 hex digits of its digest>.tensors`` (ours).
+_TENSOR_FILE_NAME = re.compile(r"^(?P<stem>.+?)(?P<digest>\.[0-9a-f]{16})?" + re.escape(TENSORS_SUFFIX) + "$")
+#: tensorizer's magic, the first bytes of every file it writes.
+_TENSORIZER_MAGIC = b"|TZR|"
+
+
+def manifest_name_beside(tensor_file_name: str) -> str:
+    """The manifest a tensor file belongs to (``model.1a2b….tensors`` → ``model.manifest.json``)."""
+    match = _TENSOR_FILE_NAME.match(tensor_file_name)
+    stem = match.group("stem") if match else tensor_file_name
+    return stem + MANIFEST_SUFFIX
+
+
+def no_manifest_error(tensor_file: FileLocation, source: str = "SOURCE_MODEL", save_flags: str = "") -> NoManifestError:
+    """What a tensorizer file without a manifest is, and the command that re-saves it (one line)."""
+    out = tensor_file.parent
+    flags = f" {save_flags}" if save_flags else ""
+    what = (
+        " (SOURCE_MODEL: the Hugging Face model or safetensors directory it was made from)"
+        if source == "SOURCE_MODEL"
+        else ""
+    )
+    error = NoManifestError(
+        f"{tensor_file}: a tensorizer file without a manifest beside it ({manifest_name_beside(tensor_file.name)} "
+        "is missing), as vLLM's save_tensorized_model and tensorize_vllm_model write; nothing says how its layers "
+        f"were saved, so it is not read. Re-save it from its source model: `tensorizer-manifest save {source} "
+        f"{out}{flags}`{what}"
+    )
+    error.tensor_file = tensor_file
+    return error
+
+
+def check_named_tensor_file(manifest: Manifest, manifest_path: FileLocation, name: str) -> None:
+    """A tensor file named by the user (vLLM's ``tensorizer_uri``) must be one the manifest beside it names."""
+    names = [manifest.tensor_file.path, *(form.tensor_file.path for form in manifest.added_forms)]
+    if name not in names:
+        raise ConfigurationError(
+            f"tensorizer_uri names {name}, but the manifest beside it ({manifest_path}) names its tensor file "
+            f"{names[0]}: give that file's URI, or the directory as tensorizer_dir"
+        )
+
+
+def _is_tensorizer_file(path: FileLocation) -> bool:
+    """Whether a file starts with tensorizer's magic (a bounded read of a few bytes)."""
+    try:
+        if isinstance(path, RemoteFile):
+            head = b"".join(path.read_range(0, len(_TENSORIZER_MAGIC)))
+        else:
+            with open(path, "rb") as f:
+                head = f.read(len(_TENSORIZER_MAGIC))
+    except (OSError, TensorizerManifestError):
+        return False
+    return head == _TENSORIZER_MAGIC
+
+
+def _manifest_beside(tensor_file: FileLocation) -> FileLocation:
+    """The manifest of a tensor file given by its path or URI (vLLM's ``tensorizer_uri``)."""
+    manifest = tensor_file.parent / manifest_name_beside(tensor_file.name)
+    exists = manifest.exists() if isinstance(manifest, RemoteFile) else manifest.is_file()
+    if exists:
+        return manifest
+    if _is_ours(tensor_file.name):
+        kind = RemoteNotFoundError if isinstance(tensor_file, RemoteFile) else CheckpointNotFoundError
+        raise kind(f"{tensor_file}: its manifest {manifest.name} is missing beside it; copy the whole checkpoint")
+    if _is_tensorizer_file(tensor_file):
+        raise no_manifest_error(tensor_file)
+    kind = RemoteNotFoundError if isinstance(tensor_file, RemoteFile) else CheckpointNotFoundError
+    raise kind(f"{tensor_file}: no such tensor file, and no {manifest.name} beside it")
+
+
+def _is_ours(name: str) -> bool:
+    """Whether a tensor file's name is one this package writes (``<stem>.<digest>.tensors``)."""
+    match = _TENSOR_FILE_NAME.match(name)
+    return match is not None and match.group("digest") is not None
+
+
+def _stock_tensor_files(names: list[str]) -> list[str]:
+    """Tensor files not named as this package names them, in a directory that holds no manifest at all:
+    a stock vLLM checkpoint."""
+    if any(name.endswith(MANIFEST_SUFFIX) for name in names):
+        return []
+    return sorted(name for name in names if name.endswith(TENSORS_SUFFIX) and not _is_ours(name))
+
+
 def find_manifest(
     path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
 ) -> FileLocation:
-    """A manifest file, given it or its checkpoint directory or URI (``stem`` picks a rank's).
+    """A manifest file, given it, a tensor file of its checkpoint, or its checkpoint directory or URI
+    (``stem`` picks a rank's).
 
-    ``remote`` holds the credentials and endpoint for an ``s3://`` URI.
+    ``remote`` holds the credentials and endpoint for an ``s3://`` URI. A directory or a tensor file with
+    tensorizer's data and no manifest (stock vLLM's ``model.tensors``) raises ``NoManifestError``.
     """
     if is_remote(path):
         return _find_remote_manifest(as_remote(path, remote), stem)  # type: ignore[arg-type]
     path = Path(path)
     if path.is_file():
-        return path
+        return _manifest_beside(path) if path.name.endswith(TENSORS_SUFFIX) else path
+    if path.name.endswith(TENSORS_SUFFIX) and not path.exists():
+        return _manifest_beside(path)  # its manifest may be there even if the file is not: say which is missing
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory or manifest file")
+    names = [p.name for p in path.iterdir()]
+    stock = [name for name in _stock_tensor_files(names) if _is_tensorizer_file(path / name)]
+    if stock:
+        raise no_manifest_error(path / stock[0])
     if stem is not None:
         candidate = path / (stem + MANIFEST_SUFFIX)
         if candidate.is_file():
             return candidate
-        mismatch = layout_mismatch(path, stem, [p.name for p in path.glob("*" + MANIFEST_SUFFIX)])
+        mismatch = layout_mismatch(path, stem, names)
         if mismatch is not None:
             raise mismatch
         raise CheckpointNotFoundError(
             f"{path}: no {candidate.name}; save this checkpoint with `tensorizer-manifest save` "
             "using the same tensor- and pipeline-parallel sizes as this engine"
         )
-    found = sorted(path.glob("*" + MANIFEST_SUFFIX))
+    found = sorted(name for name in names if name.endswith(MANIFEST_SUFFIX))
     if not found:
         raise CheckpointNotFoundError(
             f"{path}: no *{MANIFEST_SUFFIX} here; this is not a tensorizer-manifest checkpoint "
             "(create one with `tensorizer-manifest save SRC OUT`)"
         )
-    return found[0]
+    return path / found[0]
 
 
 def _find_remote_manifest(location: RemoteFile | RemoteDir, stem: str | None) -> RemoteFile:
     if isinstance(location, RemoteFile):
-        return location
-    if stem is None and location.scheme == "s3":
-        found = [n for n in location.list_names() if n.endswith(MANIFEST_SUFFIX)]
+        return _manifest_beside(location) if location.name.endswith(TENSORS_SUFFIX) else location
+    names = location.list_names() if location.scheme == "s3" else None
+    stock = [name for name in _stock_tensor_files(names or []) if _is_tensorizer_file(location / name)]
+    if stock:
+        raise no_manifest_error(location / stock[0])
+    if stem is None and names is not None:
+        found = [n for n in names if n.endswith(MANIFEST_SUFFIX)]
         if not found:
             raise RemoteNotFoundError(
                 f"{location}: no *{MANIFEST_SUFFIX} there; this is not a tensorizer-manifest checkpoint "
@@ -126,10 +223,12 @@ def _find_remote_manifest(location: RemoteFile | RemoteDir, stem: str | None) ->
         return location / found[0]
     candidate = location / ((stem or "model") + MANIFEST_SUFFIX)
     if not candidate.exists():
-        if stem is not None and location.scheme == "s3":
-            mismatch = layout_mismatch(location, stem, location.list_names())
+        if names is not None:
+            mismatch = layout_mismatch(location, stem, names) if stem is not None else None
             if mismatch is not None:
                 raise mismatch
+        elif _is_tensorizer_file(location / f"{stem or 'model'}{TENSORS_SUFFIX}"):
+            raise no_manifest_error(location / f"{stem or 'model'}{TENSORS_SUFFIX}")  # over http(s): vLLM's name
         hint = (
             "save this checkpoint with `tensorizer-manifest save` using the same tensor- and pipeline-parallel "
             "sizes as this engine"

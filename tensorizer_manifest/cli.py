@@ -128,7 +128,13 @@ def inspect(location: str, json: bool, **remote) -> None:
 @app.command()
 @click.argument("location")
 @click.option("--json", "json", is_flag=True, help="Machine-readable report.")
-@click.option("--hashes/--no-hashes", default=True, help="Read every tensor and check its content hash.")
+@click.option(
+    "--hashes/--no-hashes",
+    "--verify-hash/--no-verify-hash",
+    "hashes",
+    default=True,
+    help="Read every tensor and check its content hash (vLLM's verify_hash).",
+)
 @click.option("--dtype", default=None, help="Also check the checkpoint suits an engine with this dtype.")
 @click.option("--quantization", default=None, help="... with this quantization ('none' for unquantized).")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="... with this TP size.")
@@ -147,6 +153,8 @@ def inspect(location: str, json: bool, **remote) -> None:
 @remote_options
 @click.option(
     "--encryption-key-file",
+    "--encryption-keyfile",
+    "encryption_key_file",
     type=_PATH,
     default=None,
     help="Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
@@ -439,6 +447,7 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
 @remote_options
 @click.option(
     "--encryption-key-file",
+    "--encryption-keyfile",
     "--encrypt-key-file",
     "encryption_key_file",
     type=_PATH,
@@ -540,7 +549,14 @@ def save(
 @click.argument("checkpoint")
 @click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
 @click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
-@click.option("--encryption-key-file", type=_PATH, default=None, help="An encrypted checkpoint's key.")
+@click.option(
+    "--encryption-key-file",
+    "--encryption-keyfile",
+    "encryption_key_file",
+    type=_PATH,
+    default=None,
+    help="An encrypted checkpoint's key.",
+)
 @remote_options
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
 def add_form_command(

@@ -38,6 +38,16 @@ class CheckpointNotFoundError(TensorizerManifestError, FileNotFoundError):
     """A checkpoint directory, manifest or tensor file is missing."""
 
 
+class NoManifestError(CheckpointNotFoundError):
+    """A tensorizer file with no manifest beside it, as stock vLLM writes (``save_tensorized_model``).
+
+    Without a manifest nothing says how its layers were saved, raw or processed: it is refused before a
+    byte of it is read, with the command that re-saves it from its source model. ``tensor_file``: that file.
+    """
+
+    tensor_file: object = None
+
+
 class ConfigurationError(TensorizerManifestError, ValueError):
     """An option is invalid: ``model_loader_extra_config``, save options, a CLI flag.
 
@@ -92,6 +102,7 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "CheckpointNotFoundError",
+    "NoManifestError",
     "ConfigurationError",
     "IntegrityError",
     "CompatibilityError",

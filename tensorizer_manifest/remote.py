@@ -534,11 +534,11 @@ class RemoteDir:
 
 
 def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | None = None) -> RemoteFile | RemoteDir:
-    """A URI as a manifest file (its name ends in ``.manifest.json``) or as a checkpoint prefix."""
+    """A URI as a file (its name ends in ``.manifest.json`` or ``.tensors``) or as a checkpoint prefix."""
     if isinstance(location, RemoteFile | RemoteDir):
         return location
     options = options or RemoteOptions()
-    if location.rstrip("/").endswith(MANIFEST_SUFFIX):
+    if location.rstrip("/").endswith((MANIFEST_SUFFIX, TENSORS_SUFFIX)):
         return RemoteFile(location.rstrip("/"), options)
     return RemoteDir(location, options)
 

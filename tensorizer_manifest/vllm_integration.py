@@ -25,16 +25,23 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from . import _vllm_compat, replay
 from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from .capture import Capture, CapturePolicy, FallbackRecorder, Recorder
-from .checkpoint import checkpoint_stem, encryption_key_from, load_manifest, signing_key_from
+from .checkpoint import (
+    check_named_tensor_file,
+    checkpoint_stem,
+    encryption_key_from,
+    load_manifest,
+    no_manifest_error,
+    signing_key_from,
+)
 from .checks.seal import unsealed_warning
-from .errors import ConfigurationError, TensorizerManifestError, UnsupportedModelError
+from .errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
 from .fingerprint import check_compatible, engine_fingerprint
 from .forms import choose_forms
 from .load import check_model, restore_tensors
-from .options import S3Options, describe_validation_error
+from .options import S3Options, describe_validation_error, from_tensorizer_config_names
 from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
-from .schema import MANIFEST_SUFFIX
+from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 from .validate import open_checked_forms
 from .write import write_added_form, write_checkpoint
 
@@ -86,12 +93,23 @@ def _log_load(manifest_path: Path, summary: dict) -> None:
 
 
 class LoadOptions(S3Options):
-    """What users may pass in ``model_loader_extra_config`` for ``tensorizer_manifest``."""
+    """What users may pass in ``model_loader_extra_config`` for ``tensorizer_manifest``.
+
+    vLLM's ``TensorizerConfig`` names work too, with the same meaning (``tensorizer_uri``, ``tensorizer_dir``,
+    ``verify_hash``, ``encryption_keyfile``, ``num_readers``, ``s3_*``): ``options.TENSORIZER_CONFIG_NAMES``.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    verify_hashes: bool = Field(True, description="Check each tensor's content hash as it is read.")
-    checkpoint_dir: str | None = Field(None, description="Checkpoint directory, when not the model path.")
+    verify_hashes: bool = Field(True, description="Check each tensor's content hash as it is read (verify_hash).")
+    checkpoint_dir: str | None = Field(
+        None, description="Checkpoint directory or URI, when not the model path (tensorizer_dir)."
+    )
+    tensorizer_uri: str | None = Field(
+        None,
+        description="A tensor file of the checkpoint (local, s3:// or https://), as vLLM's tensorizer_uri; its "
+        "manifest is the one beside it. A sharded engine's ranks each read their own files in that directory.",
+    )
     num_readers: int | None = Field(
         None, ge=1, le=64, description="Parallel readers of the tensor file (default: one per core, at most 8)."
     )
@@ -124,13 +142,33 @@ class LoadOptions(S3Options):
 
     @classmethod
     def from_load_config(cls, load_config: Any) -> LoadOptions:
-        raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
+        extra = getattr(load_config, "model_loader_extra_config", None) or {}
+        if hasattr(extra, "to_serializable"):  # a vLLM TensorizerConfig given as it is
+            extra = extra.to_serializable()
+        raw = from_tensorizer_config_names(dict(extra), LOAD_FORMAT)
         try:
             return cls(**raw)
         except ValidationError as exc:
             raise ConfigurationError(
                 f"invalid model_loader_extra_config for {LOAD_FORMAT}: {describe_validation_error(exc)}"
             ) from None
+
+    def checkpoint_location(self, model_path: str) -> tuple[str, str | None]:
+        """Where the checkpoint is, and the tensor file ``tensorizer_uri`` names there (None if none)."""
+        if self.tensorizer_uri is None:
+            return self.checkpoint_dir or model_path, None
+        directory, _, name = self.tensorizer_uri.rstrip("/").rpartition("/")
+        if not name.endswith(TENSORS_SUFFIX):
+            raise ConfigurationError(
+                f"tensorizer_uri must name a {TENSORS_SUFFIX} file (got one ending {name[-40:]!r}); "
+                "give a checkpoint directory as tensorizer_dir"
+            )
+        directory = directory or "."
+        if self.checkpoint_dir is not None and self.checkpoint_dir.rstrip("/") != directory:
+            raise ConfigurationError(
+                "tensorizer_uri and tensorizer_dir (checkpoint_dir) name two directories; give one of them"
+            )
+        return directory, None if "%" in name else name
 
 
 class CaptureOptions(BaseModel):
@@ -167,6 +205,19 @@ def rank_stem(vllm_config: Any) -> str:
     parallel = vllm_config.parallel_config
     tp_rank, pp_rank = _vllm_compat.parallel_ranks()
     return checkpoint_stem(tp_rank, parallel.tensor_parallel_size, pp_rank, parallel.pipeline_parallel_size)
+
+
+def _save_flags(vllm_config: Any) -> str:
+    """The ``tensorizer-manifest save`` flags that give a checkpoint this engine's settings."""
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    flags = [f"--dtype {str(model.dtype).removeprefix('torch.')}"]
+    if parallel.tensor_parallel_size > 1:
+        flags.append(f"-tp {parallel.tensor_parallel_size}")
+    if parallel.pipeline_parallel_size > 1:
+        flags.append(f"-pp {parallel.pipeline_parallel_size}")
+    if getattr(cache, "cache_dtype", "auto") not in ("auto", None):
+        flags.append(f"--kv-cache-dtype {cache.cache_dtype}")
+    return " ".join(flags)
 
 
 class _Clock:
@@ -206,10 +257,19 @@ class ManifestModelLoader(BaseModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
-        checkpoint = options.checkpoint_dir or model_config.model
+        checkpoint, named_file = options.checkpoint_location(model_config.model)
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
-        manifest, manifest_path = load_manifest(checkpoint, rank_stem(vllm_config), remote=options.remote())
+        stem = rank_stem(vllm_config)
+        try:
+            manifest, manifest_path = load_manifest(checkpoint, stem, remote=options.remote())
+        except NoManifestError as exc:
+            source = model_config.model if str(model_config.model).rstrip("/") != checkpoint.rstrip("/") else None
+            raise no_manifest_error(
+                exc.tensor_file, source=source or "SOURCE_MODEL", save_flags=_save_flags(vllm_config)
+            ) from None
+        if named_file is not None and stem == checkpoint_stem():
+            check_named_tensor_file(manifest, manifest_path, named_file)
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)

@@ -19,7 +19,7 @@ def test_public_api_is_what_was_meant():
         "validate_checkpoint", "ValidationReport", "Problem",
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
-        "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
+        "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
     }  # fmt: skip
@@ -41,6 +41,7 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.ManifestError, ValueError)
     assert issubclass(tm.ManifestVersionError, tm.ManifestError)
     assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(tm.NoManifestError, tm.CheckpointNotFoundError)
     assert issubclass(tm.ConfigurationError, ValueError)
     assert issubclass(tm.ReplayError, RuntimeError)
     assert issubclass(tm.RemoteStorageError, OSError)

@@ -136,3 +136,80 @@ def test_the_encryption_key_comes_from_the_option_else_the_environment(tmp_path,
     short.write_bytes(b"e" * 15)
     with pytest.raises(ConfigurationError, match="encryption key has 15 bytes"):
         checkpoint.encryption_key_from(short)
+
+
+def write_stock_tensor_file(path):
+    """A tensor file as stock vLLM's ``save_tensorized_model`` writes one: tensorizer's, no manifest beside it."""
+    import torch
+    from tensorizer import TensorSerializer
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    serializer = TensorSerializer(str(path))
+    serializer.write_state_dict({"model.embed_tokens.weight": torch.ones(4, 4)})
+    serializer.close()
+    return path
+
+
+def test_a_tensor_file_given_finds_the_manifest_beside_it(tmp_path):
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    manifest, path = checkpoint.load_manifest(d)
+    assert checkpoint.find_manifest(d / manifest.tensor_file.path) == path  # model.<digest>.tensors
+    assert checkpoint.manifest_name_beside("model-tp1-of-2.0123456789abcdef.tensors") == (
+        "model-tp1-of-2.manifest.json"
+    )
+    assert checkpoint.manifest_name_beside("model.tensors") == "model.manifest.json"  # stock vLLM's name
+    with pytest.raises(CheckpointNotFoundError, match=r"no such tensor file, and no other.manifest.json beside it"):
+        checkpoint.find_manifest(d / "other.tensors")
+
+
+def test_a_stock_vllm_tensor_file_is_refused_with_the_command_that_resaves_it(tmp_path):
+    from tensorizer_manifest.errors import NoManifestError
+
+    stock = write_stock_tensor_file(tmp_path / "stock" / "model.tensors")
+    for given in (stock, stock.parent):
+        with pytest.raises(NoManifestError) as caught:
+            checkpoint.find_manifest(given, "model")
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith(f"{stock}: a tensorizer file without a manifest beside it")
+        assert f"`tensorizer-manifest save SOURCE_MODEL {stock.parent}`" in message
+        assert caught.value.tensor_file == stock
+    # a file that is not tensorizer's is not called one
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "model.tensors").write_bytes(b"not tensorizer")
+    with pytest.raises(CheckpointNotFoundError) as caught:
+        checkpoint.find_manifest(tmp_path / "junk", "model")
+    assert not isinstance(caught.value, NoManifestError)
+
+
+def test_a_stock_vllm_tensor_file_is_refused_over_s3_and_http(moto_s3, tmp_path):
+    from helpers.servers import BUCKET, RangeHTTPServer
+
+    from tensorizer_manifest.errors import NoManifestError
+    from tensorizer_manifest.remote import RemoteOptions
+
+    stock = write_stock_tensor_file(tmp_path / "stock" / "model.tensors")
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    moto_s3.client().upload_file(str(stock), BUCKET, "stock-test/model.tensors")
+    uri = f"s3://{BUCKET}/stock-test"
+    for given, stem in ((uri, "model"), (uri, None), (uri + "/model.tensors", None)):
+        with pytest.raises(NoManifestError, match=f"{uri}/model.tensors: a tensorizer file without a manifest"):
+            checkpoint.find_manifest(given, stem, options)
+    with RangeHTTPServer(tmp_path) as server:
+        for given in (f"{server.url}/stock", f"{server.url}/stock/model.tensors"):
+            with pytest.raises(NoManifestError, match="tensorize_vllm_model write"):
+                checkpoint.find_manifest(given, "model")
+
+
+def test_a_checkpoint_whose_manifest_is_lost_is_not_called_a_stock_file(tmp_path):
+    from tensorizer_manifest.errors import NoManifestError
+
+    d = write_synthetic_checkpoint(tmp_path / "ckpt")
+    tensor_file = d / checkpoint.read_manifest(d).tensor_file.path
+    (d / "model.manifest.json").unlink()
+    for given in (d, tensor_file):
+        with pytest.raises(CheckpointNotFoundError) as caught:
+            checkpoint.find_manifest(given, "model")
+        assert not isinstance(caught.value, NoManifestError)
+    with pytest.raises(CheckpointNotFoundError, match="its manifest model.manifest.json is missing beside it"):
+        checkpoint.find_manifest(tensor_file)

@@ -248,3 +248,35 @@ def test_wrong_credentials_and_an_unreachable_endpoint_are_one_line_each(moto_s3
             assert secret not in proc.stdout + proc.stderr
     away = run_remote("inspect", f"s3://{BUCKET}/cli-auth/a", "--s3-endpoint", closed_endpoint(), env=server.env())
     assert away.returncode == 1 and "cannot be reached" in away.stderr
+
+
+def test_validate_and_inspect_take_vllm_tensorizer_names(tmp_path):
+    """A tensor file, as vLLM's tensorizer_uri names it, finds its manifest; --no-verify-hash is vLLM's name."""
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.checkpoint import read_manifest
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "ckpt")
+    tensor_file = checkpoint / read_manifest(checkpoint).tensor_file.path
+    shown = run("inspect", str(tensor_file), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["summary"]["tensor_file_bytes"] == tensor_file.stat().st_size
+    quick = run("validate", str(tensor_file), "--no-verify-hash", "--json")
+    assert quick.returncode == 0, quick.stderr
+    assert json.loads(quick.stdout)["hashes_checked"] == 0
+    full = json.loads(run("validate", str(tensor_file), "--verify-hash", "--json").stdout)
+    assert full["hashes_checked"] == full["stored"] > 0
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    keyed = run("validate", str(checkpoint), "--encryption-keyfile", str(key), "--json")
+    assert "no such option" not in keyed.stderr  # vLLM's flag name is taken
+
+
+def test_inspect_of_a_stock_vllm_file_names_the_resave_command(tmp_path):
+    from test_checkpoint import write_stock_tensor_file
+
+    stock = write_stock_tensor_file(tmp_path / "stock" / "model.tensors")
+    shown = run("inspect", str(stock))
+    assert shown.returncode != 0
+    assert "a tensorizer file without a manifest beside it" in shown.stderr
+    assert "tensorizer-manifest save SOURCE_MODEL" in shown.stderr
