@@ -83,7 +83,7 @@ def layout_mismatch(where: object, wanted_stem: str, manifest_names: list[str]) 
 #: ``model.tensors`` (stock vLLM's name) or ``model.<16 hex digits of its digest>.tensors`` (ours).
 _TENSOR_FILE_NAME = re.compile(r"^(?P<stem>.+?)(?P<digest>\.[0-9a-f]{16})?" + re.escape(TENSORS_SUFFIX) + "$")
 #: tensorizer's magic, the first bytes of every file it writes.
-_TENSORIZER_MAGIC = b"|TZR|"
+TENSORIZER_MAGIC = b"|TZR|"
 
 
 def manifest_name_beside(tensor_file_name: str) -> str:
@@ -126,13 +126,13 @@ def _is_tensorizer_file(path: FileLocation) -> bool:
     """Whether a file starts with tensorizer's magic (a bounded read of a few bytes)."""
     try:
         if isinstance(path, RemoteFile):
-            head = b"".join(path.read_range(0, len(_TENSORIZER_MAGIC)))
+            head = b"".join(path.read_range(0, len(TENSORIZER_MAGIC)))
         else:
             with open(path, "rb") as f:
-                head = f.read(len(_TENSORIZER_MAGIC))
+                head = f.read(len(TENSORIZER_MAGIC))
     except (OSError, TensorizerManifestError):
         return False
-    return head == _TENSORIZER_MAGIC
+    return head == TENSORIZER_MAGIC
 
 
 def _manifest_beside(tensor_file: FileLocation) -> FileLocation:

@@ -15,29 +15,50 @@ then ``~/.s3cfg`` (``access_key``, ``secret_key``, ``host_base``,
 bucket unsigned. A URI never holds a credential, and no message, log or repr
 this module makes shows one: failures are reported by kind (missing object,
 refused credentials, unreachable endpoint, transfer cut short) with the URI.
+
+A fleet loading from one bucket meets throttling and flaky servers: a request the server answers
+"slow down" or "unavailable" (HTTP 429, 500, 502, 503, 504; S3's ``SlowDown``) is retried with
+exponential backoff and jitter, within ``RETRY_ATTEMPTS`` attempts and ``RETRY_TOTAL_S`` seconds, then
+fails as a ``RemoteThrottledError`` (or a ``RemoteStorageError`` for a 5xx). Only requests that have
+not delivered a byte are retried (a HEAD, a listing, a stream's opening, a parallel reader's opening):
+a stream cut mid-transfer is never resumed, it fails with a typed error. A ``RemoteFile`` reads one
+version of its S3 object: the ETag of its first answer is kept, every later read carries
+``If-Match`` with it, so an object replaced between two requests of one load (the checks' ranged
+reads, the stream, tensorizer's parallel readers) fails at once as a ``RemoteChangedError`` instead of
+mixing two versions' bytes; within one response the content hashes catch anything else.
 """
 
 from __future__ import annotations
 
 import configparser
+import functools
+import logging
 import os
+import random
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from .errors import (
     ConfigurationError,
     RemoteAccessError,
+    RemoteChangedError,
     RemoteNotFoundError,
     RemoteStorageError,
+    RemoteThrottledError,
     RemoteUnreachableError,
     TensorizerManifestError,
 )
 from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Option names that hold credentials (in ``model_loader_extra_config`` and save options): never logged.
 CREDENTIAL_OPTIONS = frozenset({"s3_access_key_id", "s3_secret_access_key"})
@@ -67,6 +88,20 @@ HTTP_MODEL_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
+
+#: Retries of a request the server answered "slow down" or "unavailable" (HTTP 429, 500, 502, 503, 504;
+#: S3's SlowDown) before a byte of it was read: at most this many attempts in all ...
+RETRY_ATTEMPTS = 5
+#: ... waiting about this long before the first retry, twice as long before each next one (half of it
+#: random, so a fleet's readers do not retry in step), at most ``RETRY_MAX_DELAY_S`` ...
+RETRY_BASE_DELAY_S = 0.5
+RETRY_MAX_DELAY_S = 8.0
+#: ... and no retry that would start later than this many seconds after the first attempt.
+RETRY_TOTAL_S = 30.0
+#: Reads of an S3 object carry ``If-Match`` with the ETag first seen (its HEAD or first GET), and a later
+#: answer with another ETag is refused, so a replaced object fails (HTTP 412) rather than being read as a
+#: mix of two versions. False: no version is kept, as before (the content hashes still catch a mix).
+CONDITIONAL_READS = True
 
 _CHUNK = 1 << 20
 #: tensorizer's default endpoint (CoreWeave) when nothing names one, as ``stream_io`` does.
@@ -181,7 +216,7 @@ def _s3_client(resolved: _Resolved):
 
     unsigned = not resolved.access_key_id and not resolved.secret_access_key
     config = Config(
-        retries={"max_attempts": 2, "mode": "standard"},
+        retries={"total_max_attempts": 1, "mode": "standard"},  # retried here (``_retrying``), in RETRY_* bounds
         connect_timeout=10,
         read_timeout=60,
         **({"signature_version": botocore.UNSIGNED} if unsigned else {}),
@@ -223,6 +258,14 @@ _CURL_EXIT = re.compile(r"cURL exit code (\d+)|curl error: \((\d+)\)|curl: \((\d
 #: curl exit codes that mean the endpoint was never reached, and those of a transfer cut short.
 _CURL_UNREACHABLE = {5, 6, 7, 28, 35, 60}
 _CURL_CUT_SHORT = {18, 52, 55, 56, 92}
+#: S3 error codes and HTTP statuses of a server that asks to slow down or is busy: retried, then typed.
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "ServiceUnavailable", "RequestLimitExceeded", "Throttling", "ThrottlingException", "TooManyRequests"}
+)
+_THROTTLE_STATUS = frozenset({429, 503})
+#: Other answers worth a retry: a server failing transiently (S3 asks clients to retry InternalError).
+_TRANSIENT_STATUS = frozenset({500, 502, 504})
+_TRANSIENT_CODES = frozenset({"InternalError", "RequestTimeout"})
 
 
 def _messages(exc: BaseException) -> str:
@@ -234,6 +277,52 @@ def _messages(exc: BaseException) -> str:
     return " | ".join(text)
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    cursor: BaseException | None = exc
+    while cursor is not None and cursor not in chain:
+        chain.append(cursor)
+        cursor = cursor.__cause__ or cursor.__context__
+    return chain
+
+
+def _answer(exc: BaseException) -> tuple[str | None, int | None]:
+    """The S3 error code and HTTP status a failed request got, as far as ``exc`` tells them."""
+    import botocore.exceptions
+
+    for item in _chain(exc):
+        if isinstance(item, botocore.exceptions.ClientError):
+            error = item.response.get("Error", {})
+            return error.get("Code"), item.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    match = _HTTP_STATUS.search(_messages(exc))
+    return None, int(match.group(1)) if match else None
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a request that failed so, before delivering a byte, is worth another attempt."""
+    import botocore.exceptions
+
+    if isinstance(exc, RemoteThrottledError):
+        return True
+    if isinstance(exc, RemoteStorageError):
+        return False
+    if any(isinstance(item, botocore.exceptions.ConnectionClosedError) for item in _chain(exc)):
+        return True  # the connection dropped before an answer (a HEAD or a listing: nothing consumed)
+    code, status = _answer(exc)
+    return (
+        str(code) in _THROTTLE_CODES
+        or str(code) in _TRANSIENT_CODES
+        or status in _THROTTLE_STATUS
+        or status in _TRANSIENT_STATUS
+    )
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (1, 2, ...): exponential, capped, half of it jitter."""
+    delay = min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * 2 ** (attempt - 1))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
 def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageError | None:
     """The typed error for a failed remote transfer, or None when ``exc`` is not one.
 
@@ -242,14 +331,11 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
     """
     import botocore.exceptions
 
-    if isinstance(exc, RemoteStorageError):
-        return exc
+    for item in _chain(exc):  # ours, raised inside tensorizer by a stream's read (``_RemoteStream``)
+        if isinstance(item, RemoteStorageError):
+            return item
     code, status = None, None
-    chain: list[BaseException] = []
-    cursor: BaseException | None = exc
-    while cursor is not None and cursor not in chain:
-        chain.append(cursor)
-        cursor = cursor.__cause__ or cursor.__context__
+    chain = _chain(exc)
     for item in chain:
         if isinstance(item, botocore.exceptions.ClientError):
             error = item.response.get("Error", {})
@@ -289,6 +375,13 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
                     f"{uri}: the transfer failed while {doing} (curl exit code {exit_code}): "
                     "the server closed the connection or stopped answering"
                 )
+    if str(code) in ("PreconditionFailed", "412") or status == 412:
+        return _changed(uri, doing)
+    if str(code) in _THROTTLE_CODES or status in _THROTTLE_STATUS:
+        return RemoteThrottledError(
+            f"{uri}: the server is throttling requests (it answered {code or status}, slow down) while {doing}: "
+            "try again later, or lower the request rate (fewer readers at once, staggered starts)"
+        )
     if str(code) in ("NoSuchKey", "NoSuchBucket", "404", "NotFound") or status == 404:
         what = "bucket" if code == "NoSuchBucket" else "object"
         return RemoteNotFoundError(f"{uri}: no such {what} (while {doing})")
@@ -315,6 +408,83 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
     return None
 
 
+def _changed(uri: str, doing: str) -> RemoteChangedError:
+    return RemoteChangedError(
+        f"{uri}: the object was replaced while {doing} (its ETag is not the one this read started with): "
+        "nothing of the new version was mixed in, and the read is abandoned; load again once the upload "
+        "that replaced it is complete"
+    )
+
+
+def _etag_value(etag: str) -> str:
+    return etag.strip().removeprefix("W/").strip('"')
+
+
+# -- streams ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _stream_class() -> type | None:
+    """tensorizer's curl stream, with typed errors and retried re-opens; None when its internals moved.
+
+    ``TensorDeserializer`` forks a ``CURLStreamFile`` for each parallel reader (``_fork``, same class,
+    same headers, so the ``If-Match`` goes along) and re-opens it on a backward seek: both open a new
+    request before a byte of it is consumed, so both are retried here as ``RemoteFile.open`` is. A read
+    that fails is classified by curl's own exit code (waited for, not guessed from a re-run of the
+    request as tensorizer does) and raised as this package's error, which tensorizer passes on.
+    """
+    try:
+        from tensorizer.stream_io import CURLStreamFile
+    except ImportError:  # pragma: no cover - tensorizer without curl streams
+        return None
+    needed = ("_fork", "_create_read_error_from_context", "_read_until", "seek")
+    if not all(callable(getattr(CURLStreamFile, name, None)) for name in needed):
+        return None  # pragma: no cover - another tensorizer: open_stream's plain streams are used
+
+    class _RemoteStream(CURLStreamFile):
+        remote: RemoteFile | None = None
+
+        def _fork(self, begin: int | None = None, end: int | None = None):
+            remote = self.remote
+            if remote is None:
+                return super()._fork(begin, end)
+
+            def once():
+                clone = CURLStreamFile._fork(self, begin, end)
+                clone.remote = remote
+                remote._check_version(clone)
+                return clone
+
+            return remote._retrying("opening it", once)
+
+        def seek(self, position, whence=0):
+            remote = self.remote
+            target = position + self._curr if whence == 1 else position
+            if remote is None or whence == 2 or target >= self._curr:
+                return super().seek(position, whence)  # forward: reads on, never retried
+            # Backward: tensorizer closes this request and opens another from ``target``.
+            remote._retrying("opening it", lambda: CURLStreamFile.seek(self, target))
+            remote._check_version(self)
+
+        def _create_read_error_from_context(self):
+            curl = getattr(self, "_curl", None)
+            code = None
+            if curl is not None:
+                code = curl.poll()
+                if code is None:
+                    try:
+                        code = curl.wait(timeout=1)  # curl that closed its output is exiting: its own code
+                    except subprocess.TimeoutExpired:
+                        curl.terminate()
+                        code = curl.wait()
+            failure = OSError(f"curl error: ({code})" if code and code > 0 else "the transfer ended early")
+            if self.remote is None:
+                return failure
+            return self.remote._error(failure, "reading it")
+
+    return _RemoteStream
+
+
 # -- objects and prefixes ---------------------------------------------------------------------------------------
 
 
@@ -324,6 +494,8 @@ class RemoteFile:
 
     uri: str
     options: RemoteOptions = field(default_factory=RemoteOptions)
+    _version: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The S3 ETag of the version this object reads (its first HEAD's or GET's), under ``"etag"``."""
 
     def __post_init__(self) -> None:
         _check_uri(self.uri)
@@ -334,6 +506,55 @@ class RemoteFile:
     @property
     def scheme(self) -> str:
         return urlsplit(self.uri).scheme.lower()
+
+    @property
+    def etag(self) -> str | None:
+        """The ETag of the version read (S3 only; None before the first request)."""
+        return self._version.get("etag")
+
+    def _pin(self, etag: str | None, doing: str) -> None:
+        """Keep the first ETag seen; a later one that differs means the object was replaced."""
+        if not etag or self.scheme != "s3" or not CONDITIONAL_READS:
+            return
+        pinned = self._version.setdefault("etag", etag)
+        if _etag_value(pinned) != _etag_value(etag):  # a cache in between may mark it weak, or drop the quotes
+            self._version.pop("etag", None)  # a later read (a new load) reads the new version
+            raise _changed(self.uri, doing)
+
+    def _check_version(self, stream: Any) -> None:
+        """A stream's answer must be of the pinned version (a server that ignores ``If-Match``)."""
+        headers = getattr(stream, "response_headers", None) or {}
+        try:
+            self._pin(headers.get("etag"), "opening it")
+        except RemoteChangedError:
+            stream.close()
+            raise
+
+    def _retrying(self, doing: str, attempt: Callable[[], _T]) -> _T:
+        """``attempt()``, again after a throttled or transient failure (``RETRY_*`` bound it), else typed."""
+        start, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                return attempt()
+            except Exception as exc:
+                if not _transient(exc):
+                    raise self._error(exc, doing) from None
+                elapsed, delay = time.monotonic() - start, _backoff(tries)
+                if tries >= RETRY_ATTEMPTS or elapsed + delay > RETRY_TOTAL_S:
+                    typed = self._error(exc, doing)
+                    raise type(typed)(f"{typed} ({tries} attempts over {elapsed:.1f} s)") from None
+                code, status = _answer(exc)
+                logger.warning(
+                    "%s: the server answered %s while %s; retrying in %.1f s (attempt %d of %d)",
+                    self.uri,
+                    code or status or "with a dropped connection",
+                    doing,
+                    delay,
+                    tries + 1,
+                    RETRY_ATTEMPTS,
+                )
+                time.sleep(delay)
 
     @property
     def name(self) -> str:
@@ -375,10 +596,9 @@ class RemoteFile:
         """The object's size in bytes; a typed error when it is missing or cannot be reached."""
         if self.scheme == "s3":
             bucket, key = self._bucket_key()
-            try:
-                head = _s3_client(_resolve(self.options)).head_object(Bucket=bucket, Key=key)
-            except Exception as exc:
-                raise self._error(exc, "reading its size") from None
+            client = self._retrying("reading its size", lambda: _s3_client(_resolve(self.options)))
+            head = self._retrying("reading its size", lambda: client.head_object(Bucket=bucket, Key=key))
+            self._pin(head.get("ETag"), "reading its size")
             return int(head["ContentLength"])
         with self.open(0, 1) as stream:
             headers = getattr(stream, "response_headers", None) or {}
@@ -401,13 +621,10 @@ class RemoteFile:
         """A stream of the object (bytes ``begin`` to ``end``, end exclusive) from tensorizer's ``stream_io``.
 
         A range the server does not honour is refused (a reader must never get other bytes than it asked for).
+        Opening is retried when the server throttles (``RETRY_*``); an S3 read asks for the version first
+        seen (``If-Match``), so a replaced object is a ``RemoteChangedError``.
         """
-        from tensorizer import stream_io
-
-        try:
-            stream = stream_io.open_stream(self.uri, "rb", begin=begin, end=end, **self._stream_kwargs())
-        except Exception as exc:
-            raise self._error(exc, "opening it") from None
+        stream = self._retrying("opening it", lambda: self._open_once(begin, end))
         if begin:
             headers = getattr(stream, "response_headers", None) or {}
             if not headers.get("content-range"):
@@ -415,6 +632,26 @@ class RemoteFile:
                 raise RemoteStorageError(
                     f"{self.uri}: the server ignores HTTP range requests, which reading a checkpoint needs"
                 )
+        return stream
+
+    def _open_once(self, begin: int | None, end: int | None) -> BinaryIO:
+        from tensorizer import stream_io
+
+        cls = _stream_class()
+        presign = getattr(stream_io, "_s3_download_url", None)
+        if cls is None or (self.scheme == "s3" and presign is None):  # another tensorizer: its plain stream
+            return stream_io.open_stream(self.uri, "rb", begin=begin, end=end, **self._stream_kwargs())
+        headers = None
+        url = self.uri
+        if self.scheme == "s3":
+            kwargs = self._stream_kwargs()
+            # What open_stream does for s3:// (the same presigned URL), with If-Match added.
+            url = presign(self.uri, kwargs["s3_access_key_id"], kwargs["s3_secret_access_key"], kwargs["s3_endpoint"])
+            etag = self.etag if CONDITIONAL_READS else None
+            headers = {"If-Match": etag} if etag and not etag.startswith("W/") else None  # If-Match is strong
+        stream = cls(url, begin=begin, end=end, headers=headers)
+        stream.remote = self
+        self._check_version(stream)
         return stream
 
     def read_range(self, begin: int, end: int) -> Iterator[bytes]:
@@ -475,10 +712,8 @@ class RemoteFile:
         if self.scheme != "s3":
             raise ConfigurationError(f"{self.uri}: only s3:// objects can be removed; http(s) is read-only")
         bucket, key = self._bucket_key()
-        try:
-            _s3_client(_resolve(self.options, write=True)).delete_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            raise self._error(exc, "removing it") from None
+        client = self._retrying("removing it", lambda: _s3_client(_resolve(self.options, write=True)))
+        self._retrying("removing it", lambda: client.delete_object(Bucket=bucket, Key=key))
 
     def _error(self, exc: BaseException, doing: str) -> TensorizerManifestError:
         typed = transfer_error(exc, self.uri, doing)
@@ -522,15 +757,16 @@ class RemoteDir:
             raise ConfigurationError(f"{self.uri}: an http(s) location cannot be listed; name the file instead")
         _, bucket, path = _check_uri(self.uri)
         prefix = path.strip("/") + "/" if path.strip("/") else ""
-        names: list[str] = []
-        try:
-            client = _s3_client(_resolve(self.options))
-            paginator = client.get_paginator("list_objects_v2")
+        here = RemoteFile(self.uri, self.options)
+
+        def listing() -> list[str]:  # whole, from its first page, on each attempt
+            names: list[str] = []
+            paginator = _s3_client(_resolve(self.options)).get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
                 names += [item["Key"][len(prefix) :] for item in page.get("Contents", ())]
-        except Exception as exc:
-            raise RemoteFile(self.uri, self.options)._error(exc, "listing it") from None
-        return sorted(n for n in names if n and "/" not in n)
+            return names
+
+        return sorted(n for n in here._retrying("listing it", listing) if n and "/" not in n)
 
 
 def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | None = None) -> RemoteFile | RemoteDir:

@@ -9,6 +9,8 @@ storage, and the checks before it read their bytes with ranged requests.
 With an ``EncryptionKey``, tensorizer encrypts each tensor's data (XSalsa20-Poly1305
 per chunk, authenticated); its file header, index and per-tensor headers stay
 plain, so the prefix and head hashes are taken, and checked, the same way.
+tensorizer believes every size field it parses, so ``tensor_headers.header_problems``
+parses them first, with bounded plain reads, against the manifest's records.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ class TensorFileReader:
         self.close()
 
 
-def _torch_dtype_name(tensorizer_dtype: str) -> str:
+def torch_dtype_name(tensorizer_dtype: str) -> str:
     if "torch." in tensorizer_dtype:
         return tensorizer_dtype.rsplit("torch.", 1)[1]
     import numpy as np
@@ -283,7 +285,7 @@ def _index_of(deserializer) -> dict[str, IndexEntry]:
     for key, entry in deserializer._metadata.items():
         name = key if isinstance(key, str) else ".".join(entry.name)
         index[name] = IndexEntry(
-            _torch_dtype_name(entry.dtype),
+            torch_dtype_name(entry.dtype),
             list(entry.shape),
             int(entry.data_offset),
             int(entry.data_length),
@@ -345,17 +347,21 @@ def _keep_ranges(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int
     return keep
 
 
-def _remote_head_hash(path: RemoteFile, spans: list[tuple[int, int]], size: int) -> str:
-    """``head_hash`` with ranged requests: one per run of header bytes, reading through short tensor data."""
-    keep = _keep_ranges(spans, size)
+def request_groups(ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Sorted ranges as ranged requests: one per run, reading through gaps shorter than ``_REMOTE_MERGE``."""
     requests: list[list[tuple[int, int]]] = []
-    for begin, end in keep:
+    for begin, end in ranges:
         if requests and begin - requests[-1][-1][1] < _REMOTE_MERGE:
             requests[-1].append((begin, end))
         else:
             requests.append([(begin, end)])
+    return requests
+
+
+def _remote_head_hash(path: RemoteFile, spans: list[tuple[int, int]], size: int) -> str:
+    """``head_hash`` with ranged requests: one per run of header bytes, reading through short tensor data."""
     h = blake3.blake3()
-    for group in requests:
+    for group in request_groups(_keep_ranges(spans, size)):
         position = group[0][0]
         wanted = iter(group)
         current = next(wanted)

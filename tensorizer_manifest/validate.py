@@ -5,9 +5,12 @@ checked before any tensor data is read or allocated: the seal over the whole
 manifest, record names unique, shapes and byte counts consistent, aliases
 valid, the digest over all records equal to the one bound to the tensor file,
 the file's exact size, the hash of its prefix (read plainly, before tensorizer
-parses a byte of it), the hash of its head, and tensorizer's own index (every
-record present once, the same dtype, shape and byte length, data inside the
-file and not overlapping). Content hashes are checked last, one tensor at a time
+parses a byte of it), every size field tensorizer will believe (its index and
+each tensor's own header, parsed with bounded plain reads and compared with the
+records, so that tensorizer allocates no more than they record), the hash of
+its head, and tensorizer's own index (every record present once, the same
+dtype, shape and byte length, data inside the file and not overlapping).
+Content hashes are checked last, one tensor at a time
 (of the plaintext: an encrypted file's are checked with its key, and only then).
 
 ``validate_checkpoint`` collects every problem into a frozen report (as

@@ -10,33 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.synthetic import make_capture, write_synthetic_checkpoint
+from helpers.synthetic import fresh_synthetic_model, make_capture, write_synthetic_checkpoint
 
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.errors import CompatibilityError, IntegrityError
 from tensorizer_manifest.load import check_model, restore_tensors
 from tensorizer_manifest.tensor_file import TensorFileReader
 from tensorizer_manifest.validate import check_files
-
-
-def _fresh_model() -> torch.nn.Module:
-    """What a fresh build of the synthetic layers looks like: the same names, other values."""
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.embed_tokens = torch.nn.Module()
-    model.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
-    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
-    model.model.layers[0].mlp = torch.nn.Module()
-    down = model.model.layers[0].mlp.down_proj = torch.nn.Module()
-    down.weight = torch.nn.Parameter(torch.zeros(48, 32, dtype=torch.int8), requires_grad=False)
-    down.weight_scale = torch.nn.Parameter(torch.zeros(48, 1))
-    down.register_buffer("empty", torch.empty(0, dtype=torch.bfloat16))
-    model.model.norm = torch.nn.Module()
-    model.model.norm.weight = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
-    model.model.norm.register_buffer("cache", torch.zeros(8, 16), persistent=False)
-    model.lm_head = torch.nn.Module()
-    model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +26,7 @@ def checkpoint(tmp_path_factory):
 
 def test_restore_puts_back_exact_tensors_ties_and_layouts(checkpoint):
     manifest, path = load_manifest(checkpoint)
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     fresh_embedding = model.model.embed_tokens.weight
     check_model(manifest, model)
     with TensorFileReader(check_files(manifest, path)) as reader:
@@ -80,12 +60,12 @@ def test_a_damaged_tensor_is_caught_by_its_hash_while_reading(checkpoint, tmp_pa
     data[entry.data_offset + 3] ^= 0x01
     tensor_path.write_bytes(bytes(data))
     with TensorFileReader(tensor_path) as reader, pytest.raises(IntegrityError, match="content hash of"):
-        restore_tensors(_fresh_model(), manifest, reader)
+        restore_tensors(fresh_synthetic_model(), manifest, reader)
 
 
 def test_check_model_names_every_difference_before_reading(checkpoint):
     manifest, _ = load_manifest(checkpoint)
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
         torch.zeros(48, 16, dtype=torch.int8), requires_grad=False
     )
@@ -101,7 +81,7 @@ def test_check_model_names_every_difference_before_reading(checkpoint):
 
 def test_layers_are_handed_on_in_manifest_order_as_their_tensors_arrive(checkpoint):
     manifest, path = load_manifest(checkpoint)
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     seen = []
 
     def on_layer(record, module, check_hashes):
@@ -123,7 +103,7 @@ def test_a_file_written_in_another_order_still_restores(checkpoint, tmp_path):
         stored = list(reader.stream())
     reversed_file = tmp_path / "reversed.tensors"
     write_tensor_file(reversed_file, reversed(stored))
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     with TensorFileReader(reversed_file) as reader:
         restore_tensors(model, manifest, reader)
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, dict(stored)["model.layers.0.mlp.down_proj.weight"])
@@ -133,7 +113,7 @@ def test_the_checked_in_v1_checkpoint_still_loads():
     """Written by tensorizer-manifest 0.1.0 before the layout change: it validates and restores exactly."""
     v1 = Path(__file__).parent / "fixtures" / "v1-checkpoint"
     manifest, path = load_manifest(v1)
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     check_model(manifest, model)
     with TensorFileReader(check_files(manifest, path)) as reader:
         restore_tensors(model, manifest, reader)
@@ -167,10 +147,10 @@ def test_a_processed_layer_in_a_layout_this_machine_would_not_produce_is_refused
     manifest = msgspec.structs.replace(manifest, modules=[edited if m is down else m for m in manifest.modules])
     layout = _LayoutRestorer()
     monkeypatch.setitem(restorers.RESTORERS, "test_layout", layout)
-    check_model(manifest, _fresh_model())  # the same layout here: accepted
+    check_model(manifest, fresh_synthetic_model())  # the same layout here: accepted
     layout.amx = False
     with pytest.raises(CompatibilityError) as info:
-        check_model(manifest, _fresh_model())
+        check_model(manifest, fresh_synthetic_model())
     message = str(info.value)
     assert "model.layers.0.mlp.down_proj" in message and "{'isa': 'amx'}" in message and "{'isa': 'vec'}" in message
     assert "--portable" in message
@@ -190,7 +170,7 @@ def test_an_encrypted_checkpoint_restores_with_its_key_and_is_refused_without_it
         check_files(manifest, path)
     with pytest.raises(IntegrityError, match="encryption key is not the one"):  # the seal is keyed from it
         check_files(manifest, path, encryption_key=EncryptionKey(b"f" * 32))
-    model = _fresh_model()
+    model = fresh_synthetic_model()
     updates: list[ProgressUpdate] = []
     with TensorFileReader(check_files(manifest, path, encryption_key=key), encryption_key=key) as reader:
         nbytes = restore_tensors(model, manifest, reader, progress=updates.append)

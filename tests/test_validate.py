@@ -424,8 +424,9 @@ def test_a_damaged_index_length_is_refused_before_tensorizer_allocates_it(pristi
     assert peak < prefix + (2 << 20), f"peak {peak} bytes for a {prefix} byte prefix"
 
 
-def test_without_a_recorded_prefix_tensorizer_allocates_what_the_index_claims(pristine, tmp_path):
-    """The control (a 0.2.0 manifest: no prefix, no seal): tensorizer believes the damaged length."""
+def test_without_a_recorded_prefix_the_index_length_is_still_bounded_by_the_records(pristine, tmp_path):
+    """A 0.2.0 manifest (no prefix, no seal), where tensorizer used to believe the damaged length and allocate it:
+    the index's length is checked against what the records' entries can take, before tensorizer parses it."""
     d = tmp_path / "ckpt"
     shutil.copytree(pristine, d)
     _claim_a_huge_index(d, CLAIM)
@@ -436,8 +437,9 @@ def test_without_a_recorded_prefix_tensorizer_allocates_what_the_index_claims(pr
     path.write_text(json.dumps(doc))
     reports = []
     peak = _peak_bytes(lambda: reports.append(validate_checkpoint(d, verify_hashes=False)))
-    assert not reports[0].ok
-    assert peak >= CLAIM, peak
+    assert [p.kind for p in reports[0].problems] == [errors.IntegrityError]
+    assert f"tensorizer's index claims {CLAIM} bytes" in reports[0].problems[0].message
+    assert peak < 2 << 20, peak
 
 
 def test_a_remote_checkpoint_validates_with_its_hashes_and_each_failure_is_typed(pristine, moto_s3, tmp_path):

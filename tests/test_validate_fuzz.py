@@ -31,10 +31,18 @@ regression tests for those fixed since, ``xfail(strict=True)`` for those still
 open. While ``SKIP_KNOWN_BUGS`` is true the random properties steer around the
 open ones (``scripts/fuzz_long.py --include-known-bugs`` turns that off).
 
-Damaged files are read under an address-space cap (``memory_cap``): tensorizer
-believes the size fields of a damaged header and may otherwise allocate
-gigabytes. Examples are derandomized and no example database is used, so every
-run tests the same examples; ``TM_FUZZ_EXAMPLES`` sets how many per property.
+Memory is bounded on any input: every size field tensorizer believes is checked
+against the manifest's records before tensorizer parses the file
+(``tensor_headers.header_problems``), so each example runs with no address-space
+cap and asserts that its peak memory growth, Python's allocations (tracemalloc)
+and the process's resident set (its high-water mark reset per example), stays
+within the recorded tensor bytes plus ``MEMORY_BOUND`` (``bounded_memory``); a
+``MemoryError`` in any report fails the example. The tensor-file properties also
+run against the same damage served over HTTP with ranged reads (``served``).
+``TM_FUZZ_MEMORY_CAP_MB`` puts the old cap back, as a diagnostic only.
+Examples are derandomized and no example database is used, so every run tests
+the same examples; ``TM_FUZZ_EXAMPLES`` sets how many per property
+(``TM_FUZZ_REMOTE_EXAMPLES`` for the remote ones).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import os
 import shutil
 import sys
 import tempfile
+import tracemalloc
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +75,8 @@ if str(TESTS) not in sys.path:  # pytest puts tests/ on sys.path; scripts/fuzz_l
 from helpers.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 from tensorizer_manifest.checkpoint import load_manifest  # noqa: E402
-from tensorizer_manifest.errors import ManifestError, TensorizerManifestError  # noqa: E402
+from tensorizer_manifest.errors import IntegrityError, ManifestError, TensorizerManifestError  # noqa: E402
+from tensorizer_manifest.remote import RemoteFile  # noqa: E402
 from tensorizer_manifest.schema import (  # noqa: E402
     MANIFEST_SUFFIX,
     Manifest,
@@ -75,12 +85,14 @@ from tensorizer_manifest.schema import (  # noqa: E402
     seal_manifest,
 )
 from tensorizer_manifest.tensor_file import (  # noqa: E402
+    IndexEntry,
     TensorFileReader,
     head_hash,
     prefix_hash,
     prefix_size,
     read_index,
 )
+from tensorizer_manifest.tensor_headers import LayoutError, read_layout  # noqa: E402
 from tensorizer_manifest.tensors import tensor_bytes  # noqa: E402
 from tensorizer_manifest.validate import ValidationReport, check_files, validate_checkpoint  # noqa: E402
 
@@ -88,6 +100,7 @@ from tensorizer_manifest.validate import ValidationReport, check_files, validate
 STATS: Counter[str] = Counter()
 
 EXAMPLES = int(os.environ.get("TM_FUZZ_EXAMPLES", "150"))
+REMOTE_EXAMPLES = int(os.environ.get("TM_FUZZ_REMOTE_EXAMPLES", str(max(10, EXAMPLES // 5))))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -114,6 +127,10 @@ class Pristine:
     #: End of tensorizer's file header and index (the last non-zero byte before the first tensor).
     index_end: int
     contents: dict[str, bytes]
+    #: Bytes of tensor data the manifest records (what the loader may allocate for tensors).
+    recorded_bytes: int
+    #: How much of a damaged index the test itself reads, at most (the pristine file's prefix).
+    index_limit: int
 
 
 def tensorizer_index(tensor_path: Path) -> tuple[tuple[str, int, int, int], ...]:
@@ -144,6 +161,7 @@ def pristine() -> Pristine:
         reader.close()
     pristine_report = validate_checkpoint(root)
     assert pristine_report.ok, pristine_report.problems
+    stored = {t.key: t for m in manifest.modules for t in [*m.tensors, *m.fallback] if t.key and not t.alias_of}
     return Pristine(
         manifest_name=manifest_path.name,
         tensor_name=tensor_path.name,
@@ -153,6 +171,8 @@ def pristine() -> Pristine:
         entries=entries,
         index_end=index_end,
         contents=contents,
+        recorded_bytes=sum(t.nbytes for t in stored.values()),
+        index_limit=first,
     )
 
 
@@ -179,14 +199,23 @@ SKIP_KNOWN_BUGS = False  # no open bug left; kept for the next one
 _FAR = 1 << 40
 
 
+def bounded_index(tensor_path: Path) -> dict[str, IndexEntry]:
+    """A damaged file's index as the bounded parser reads it (never tensorizer: it believes a damaged length),
+    keyed by position; a ``LayoutError`` when it cannot be parsed within the pristine records' bounds."""
+    layout = read_layout(tensor_path, tensor_path.stat().st_size, pristine().index_limit)
+    return {
+        str(i): IndexEntry("", list(e.shape), e.data_offset, e.data_length, e.header_offset)
+        for i, e in enumerate(layout.entries)
+    }
+
+
 def open_bug_in_tensor_file(tensor_path: Path) -> str | None:
     """The open bug (see ``test_damaged_index_offset_is_a_typed_error``) this tensor file triggers, if any."""
     try:
-        with memory_cap():
-            entries = tensorizer_index(tensor_path)
-    except Exception:
+        entries = [(e.data_offset, e.data_offset + e.data_length) for e in bounded_index(tensor_path).values()]
+    except LayoutError:
         return None  # validate reports an unreadable index
-    if any(not (0 <= data <= _FAR and 0 <= end <= _FAR) for _, _, data, end in entries):
+    if any(not (0 <= data <= _FAR and 0 <= end <= _FAR) for data, end in entries):
         return "head_hash seeks to a damaged index's data offset: ValueError/OSError escapes"
     return None
 
@@ -203,10 +232,64 @@ def steer_around_open_bugs(tensor_path: Path) -> None:
 # The shared oracle
 # ---------------------------------------------------------------------------------------------
 
-#: Address space allowed on top of what the process already maps while a damaged checkpoint is read.
-#: tensorizer trusts the size fields of its per-tensor headers: one flipped bit there makes it allocate
-#: (and zero) gigabytes; under this cap that fails fast with a MemoryError instead.
-MEMORY_HEADROOM = 1 << 30
+#: What reading a damaged checkpoint may add to the process's peak memory on top of the recorded tensor bytes:
+#: bounded reads (1 MiB chunks), tensorizer's thread pools and their stacks, code paged in on first use. A
+#: size field believed unchecked adds what it claims (a flipped bit in a tensor header's length: 4 GiB).
+MEMORY_BOUND = 48 << 20
+#: The largest growth seen so far, by measure ("local rss", "remote python", ...): printed by scripts/fuzz_long.py.
+PEAKS: Counter[str] = Counter()
+#: Off (0) unless ``TM_FUZZ_MEMORY_CAP_MB`` is set: an address-space cap on top of what the process maps, a
+#: diagnostic that turns an unchecked allocation into a fast MemoryError (which then fails the example).
+MEMORY_HEADROOM = int(os.environ.get("TM_FUZZ_MEMORY_CAP_MB", "0")) << 20
+
+
+def _status_kib(*fields: str) -> list[int] | None:
+    try:
+        with open("/proc/self/status") as f:
+            found = dict(line.split(":", 1) for line in f if line.startswith(fields))
+        return [int(found[name].split()[0]) * 1024 for name in fields]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the resident set's high-water mark to what is resident now (Linux 4.0+: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def bounded_memory(where: str):
+    """Fail unless the body's peak memory growth stays within the recorded tensor bytes plus ``MEMORY_BOUND``.
+
+    Two measures, since neither sees everything: tracemalloc's peak of Python's allocations (a bytearray
+    tensorizer sizes from a header counts even before its pages are touched), and the growth of the resident
+    set's high-water mark over what was resident before (torch's and other native allocations, once touched).
+    """
+    allowed = pristine().recorded_bytes + MEMORY_BOUND
+    rss = _status_kib("VmRSS") if _reset_peak_rss() else None
+    tracemalloc.start()
+    try:
+        with memory_cap():
+            yield
+    finally:  # an error the body raises (check_files refusing a file) is measured too
+        python_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        _assert_growth(where, allowed, python_peak, rss[0] if rss else None)
+
+
+def _assert_growth(where: str, allowed: int, python_peak: int, rss_before: int | None) -> None:
+    high_water = _status_kib("VmHWM")
+    growth = {"python": python_peak}
+    if rss_before is not None and high_water is not None:
+        growth["rss"] = max(0, high_water[0] - rss_before)
+    for measure, value in growth.items():
+        PEAKS[f"{where} {measure}"] = max(PEAKS[f"{where} {measure}"], value)
+        assert value <= allowed, f"{where}: peak {measure} growth {value >> 20} MiB, more than {allowed >> 20} MiB"
 
 
 def _mapped_bytes() -> int | None:
@@ -244,16 +327,19 @@ def memory_cap():
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def run_entry_points(directory: Path, manifest: bytes) -> tuple[ValidationReport, TensorizerManifestError | None]:
-    """Run every entry point; fail on any untyped exception or any inconsistency between them."""
+def run_entry_points(directory: Path | str, manifest: bytes) -> tuple[ValidationReport, TensorizerManifestError | None]:
+    """Run every entry point (``directory`` may be a URI); fail on any untyped exception or any inconsistency
+    between them, and on memory growth past ``bounded_memory``'s bound."""
+    where = "remote" if isinstance(directory, str) else "local"
     try:
-        with memory_cap():
+        with bounded_memory(where):
             report = validate_checkpoint(directory)
             quick = validate_checkpoint(directory, verify_hashes=False)
+    except AssertionError:
+        raise
     except Exception as exc:
         raise AssertionError(f"validate_checkpoint raised {type(exc).__name__}: {exc}") from exc
-    if any("MemoryError" in p.message for p in report.problems):
-        STATS["tensorizer hit the memory cap (MemoryError)"] += 1
+    assert not any("MemoryError" in p.message for p in report.problems + quick.problems), report.problems
     assert isinstance(report, ValidationReport) and isinstance(quick, ValidationReport)
     for problem in report.problems + quick.problems:
         assert issubclass(problem.kind, TensorizerManifestError), problem
@@ -263,7 +349,7 @@ def run_entry_points(directory: Path, manifest: bytes) -> tuple[ValidationReport
 
     error: TensorizerManifestError | None = None
     try:
-        with memory_cap():  # the same cap as validate had, or a damaged size field could pass here and not there
+        with bounded_memory(where):
             loaded, manifest_path = load_manifest(directory)
             check_files(loaded, manifest_path)
     except TensorizerManifestError as exc:
@@ -745,29 +831,68 @@ def tensor_byte_edits(draw, rebind: bool) -> BytesCase:
     return BytesCase(data, edits, rebind)
 
 
-def read_back(tensor_path: Path) -> tuple[bool, bool]:
-    """Whether every stored tensor can be read, and whether all read back bit-identical."""
+def read_back(tensor_path: Path | RemoteFile) -> tuple[bool, bool]:
+    """Whether every stored tensor can be read, and whether all read back bit-identical (only ever run on a file
+    the checks passed, as the loader's reader is)."""
     contents = pristine().contents
     try:
-        with memory_cap():
+        with bounded_memory("remote" if isinstance(tensor_path, RemoteFile) else "local"):
             reader = TensorFileReader(tensor_path)
             try:
                 same = all(bytes(tensor_bytes(reader.read(key))) == content for key, content in contents.items())
             finally:
                 reader.close()
+    except AssertionError:
+        raise
     except Exception:
         return False, False
     return True, same
 
 
-def check_tensor_bytes(case: BytesCase) -> None:
+def rebound_manifest(tensor_path: Path) -> bytes:
+    """The pristine manifest re-made for a damaged tensor file, as a buggy or hostile saver would write it: its
+    size, prefix and head hash those of the damaged file, sealed anew (read with the bounded parser: tensorizer
+    would believe a damaged index length). Neither prefix nor head hash when the index cannot be parsed."""
+    rebound = decode_manifest(pristine().manifest)
+    ref = rebound.tensor_file
+    ref.size = tensor_path.stat().st_size
+    try:
+        index = bounded_index(tensor_path)
+        ref.head_hash = head_hash(tensor_path, index)
+        ref.prefix_size = min(prefix_size(index, ref.size), ref.size)
+        ref.prefix_hash = prefix_hash(tensor_path, ref.prefix_size)
+    except LayoutError:
+        ref.head_hash = ref.prefix_size = ref.prefix_hash = None
+    rebound.seal = seal_manifest(rebound)
+    return encode_manifest(rebound)
+
+
+@functools.cache
+def served() -> tuple[Path, str]:
+    """A directory served over HTTP with Range support for the whole process, and its URL. The pristine checkpoint
+    is validated there once first, so that what the first remote read imports is not counted as an example's."""
+    from helpers.servers import RangeHTTPServer
+
+    root = Path(tempfile.mkdtemp(prefix="tm-fuzz-served-"))
+    atexit.register(shutil.rmtree, root, True)
+    server = RangeHTTPServer(root).__enter__()
+    atexit.register(server.stop)
+    (root / "pristine").mkdir()
+    report = validate_checkpoint(f"{server.url}/{write_case(root / 'pristine').name}")
+    assert report.ok, report.problems
+    return root, server.url
+
+
+def check_tensor_bytes(case: BytesCase, remote: bool = False) -> None:
+    """``remote``: the same checkpoint served over HTTP, read with ranged requests."""
     p = pristine()
     changed = case.data != p.tensors
     same_size = len(case.data) == len(p.tensors)
     diffs = (
         np.flatnonzero(np.frombuffer(case.data, np.uint8) != np.frombuffer(p.tensors, np.uint8)) if same_size else None
     )
-    with tempfile.TemporaryDirectory(prefix="tm-fuzz-") as tmp:
+    parent = served()[0] if remote else None
+    with tempfile.TemporaryDirectory(prefix="tm-fuzz-", dir=parent) as tmp:
         directory = write_case(Path(tmp), tensors=case.data)
         tensor_path = directory / p.tensor_name
         manifest = p.manifest
@@ -775,28 +900,17 @@ def check_tensor_bytes(case: BytesCase) -> None:
             steer_around_open_bugs(tensor_path)
         if case.rebind:
             # The manifest now describes the damaged file's size, prefix and head, and is sealed anew: as
-            # if the damage lay beyond the hashed head of a large file. Only the index checks and content
-            # hashes remain (and tensorizer parses a prefix the manifest vouches for: the memory cap stays).
-            rebound = decode_manifest(p.manifest)
-            ref = rebound.tensor_file
-            ref.size = len(case.data)
-            try:
-                with memory_cap():
-                    index = read_index(tensor_path)
-                ref.head_hash = head_hash(tensor_path, index)
-                ref.prefix_size = min(prefix_size(index, ref.size), ref.size)
-                ref.prefix_hash = prefix_hash(tensor_path, ref.prefix_size)
-            except Exception:  # tensorizer cannot read the damaged index: record neither
-                ref.head_hash = ref.prefix_size = ref.prefix_hash = None
-            rebound.seal = seal_manifest(rebound)
-            manifest = encode_manifest(rebound)
+            # if the damage lay beyond the hashed head of a large file. Only the checks of tensorizer's size
+            # fields against the records, the index checks and the content hashes remain.
+            manifest = rebound_manifest(tensor_path)
             (directory / p.manifest_name).write_bytes(manifest)
-        report, error = run_entry_points(directory, manifest)
+        location = f"{served()[1]}/{directory.name}" if remote else directory
+        report, error = run_entry_points(location, manifest)
         note_problems(report)
         quick_ok = error is None  # check_files passed <=> metadata-only validation is ok
         readable = identical = None
         if report.ok or quick_ok:
-            readable, identical = read_back(tensor_path)
+            readable, identical = read_back(RemoteFile(f"{location}/{p.tensor_name}") if remote else tensor_path)
         if report.ok:
             assert readable and identical, "a tensor file whose tensors differ was reported ok"
         if quick_ok and not case.rebind:
@@ -810,7 +924,10 @@ def check_tensor_bytes(case: BytesCase) -> None:
                 # everything but tensor data (tensorizer's header, index, per-tensor headers, trailing
                 # bytes) is bound by the size and the head hash, which check_files verifies
                 assert not quick_ok, "damage outside the tensor data passed the metadata checks"
-        STATS[f"tensor file {'rebound' if case.rebind else 'damaged'}, {'ok' if report.ok else 'not ok'}"] += 1
+        STATS[
+            f"{'remote ' if remote else ''}tensor file {'rebound' if case.rebind else 'damaged'}, "
+            f"{'ok' if report.ok else 'not ok'}"
+        ] += 1
 
 
 @FUZZ
@@ -823,6 +940,18 @@ def test_tensor_file_byte_mutations(case):
 @given(tensor_byte_edits(rebind=True))
 def test_tensor_file_damage_with_rebound_manifest(case):
     check_tensor_bytes(case)
+
+
+@settings(FUZZ, max_examples=REMOTE_EXAMPLES)
+@given(tensor_byte_edits(rebind=False))
+def test_remote_tensor_file_byte_mutations(case):
+    check_tensor_bytes(case, remote=True)
+
+
+@settings(FUZZ, max_examples=REMOTE_EXAMPLES)
+@given(tensor_byte_edits(rebind=True))
+def test_remote_tensor_file_damage_with_rebound_manifest(case):
+    check_tensor_bytes(case, remote=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -959,3 +1088,33 @@ def test_damaged_index_offset_is_a_typed_error():
     with tempfile.TemporaryDirectory(prefix="tm-fuzz-") as tmp:
         report, error = run_entry_points(write_case(Path(tmp), tensors=bytes(buf)), pristine().manifest)
     assert not report.ok and error is not None
+
+
+def _flip_tensor_header_from_end(offset_from_end: int, mask: int) -> bytes:
+    _, header, data, _ = pristine().entries[0]
+    return _flip_tensor_header(data - header - offset_from_end, mask)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+@pytest.mark.parametrize(
+    "damage, gist",
+    [
+        pytest.param(lambda: _flip_tensor_header(4, 0x01), "says it has 4294967", id="header-length-4GiB"),
+        pytest.param(lambda: _flip_tensor_header_from_end(2, 0x01), "says data length 28147497", id="data-length"),
+    ],
+)
+def test_a_flipped_size_field_is_refused_before_tensorizer_believes_it(damage, gist, remote):
+    """Found by this fuzzer (fixed since): with the manifest re-bound to the damaged file (its size, prefix and
+    head hash re-made and sealed anew, as a buggy saver would write it) nothing but tensorizer read a tensor
+    header's size fields, and check_files passed it: a flipped bit in the header's length made tensorizer
+    allocate 4 GiB (111 of 7,500 examples of a long run hit the address-space cap the suite then needed), one in
+    its data length failed inside tensorizer's reader. Now each is refused, typed and named, within the bound."""
+    key = pristine().entries[0][0]
+    with tempfile.TemporaryDirectory(prefix="tm-fuzz-", dir=served()[0] if remote else None) as tmp:
+        directory = write_case(Path(tmp), tensors=damage())
+        manifest = rebound_manifest(directory / pristine().tensor_name)
+        (directory / pristine().manifest_name).write_bytes(manifest)
+        report, error = run_entry_points(f"{served()[1]}/{directory.name}" if remote else directory, manifest)
+    assert isinstance(error, IntegrityError) and gist in str(error) and repr(key) in str(error), error
+    assert [p.kind for p in report.problems] == [IntegrityError], report.problems
+    assert "restore it, or re-save" in report.problems[0].message

@@ -1,7 +1,9 @@
 """A tensor file against its manifest: its exact size, then its prefix (tensorizer's header and index, read
-plainly before tensorizer parses a byte), its head hash and tensorizer's index (every record present once,
-the same dtype, shape and length, inside the file, not overlapping); content hashes last, one tensor at a
-time, of the plaintext. A remote file gets the same checks with ranged reads."""
+plainly before tensorizer parses a byte) and every size field tensorizer will believe (its index and each
+tensor's own header, parsed with bounded plain reads against the records), then its head hash and
+tensorizer's index as tensorizer parsed it (every record present once, the same dtype, shape and length,
+inside the file, not overlapping); content hashes last, one tensor at a time, of the plaintext. A remote
+file gets the same checks with ranged reads."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..errors import (
 from ..progress import ProgressCallback, ProgressCounter
 from ..schema import EncryptionKey, TensorFileRef, TensorRecord
 from ..tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
+from ..tensor_headers import header_problems
 from ..tensors import hash_tensor
 from .report import Problem
 
@@ -54,7 +57,8 @@ def check_tensor_file(ref: TensorFileRef, tensor_path: FileLocation, by_key: dic
 def check_before_parsing(
     ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
 ) -> list[Problem]:
-    """What plain reads can check before tensorizer parses a byte: the size, then the prefix."""
+    """What plain reads can check before tensorizer parses a byte: the size, the prefix, then every size field
+    tensorizer would believe (``header_problems``), so that what it allocates is what the records say."""
     where = str(tensor_path)
     size = file_size(tensor_path)
     if size != ref.size:
@@ -69,7 +73,12 @@ def check_before_parsing(
     if total > size:
         return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
     prefix = _check_prefix(ref, tensor_path, size)
-    return [prefix] if prefix is not None else []
+    if prefix is not None:
+        return [prefix]
+    found = header_problems(
+        tensor_path, by_key, size=size, encrypted=ref.encryption != "none", prefix_size=ref.prefix_size
+    )
+    return [Problem(IntegrityError, where, message) for message in found]
 
 
 def check_index(

@@ -129,3 +129,24 @@ if __name__ == "__main__":  # used by the crash-safety test: write, forever, unt
     while True:
         seed += 1
         write_synthetic_checkpoint(target, seed=seed, scale=int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+
+
+def fresh_synthetic_model() -> torch.nn.Module:
+    """What a fresh build of the synthetic layers looks like (what the loader restores into): the same names,
+    other values."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Module()
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    down = model.model.layers[0].mlp.down_proj = torch.nn.Module()
+    down.weight = torch.nn.Parameter(torch.zeros(48, 32, dtype=torch.int8), requires_grad=False)
+    down.weight_scale = torch.nn.Parameter(torch.zeros(48, 1))
+    down.register_buffer("empty", torch.empty(0, dtype=torch.bfloat16))
+    model.model.norm = torch.nn.Module()
+    model.model.norm.weight = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    model.model.norm.register_buffer("cache", torch.zeros(8, 16), persistent=False)
+    model.lm_head = torch.nn.Module()
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    return model
