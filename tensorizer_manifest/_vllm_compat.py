@@ -33,6 +33,13 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel"),
     ("torch.cpu", "_is_amx_tile_supported"),
     ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO"),
+    ("vllm.model_executor.model_loader.reload.meta", "get_numel_loaded"),
+    ("vllm.model_executor.model_loader.reload.meta", "to_meta_tensor"),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor"),
+    ("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS"),
+    ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs"),
+    ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales"),
 )
 _MISSING = object()
 
@@ -148,6 +155,25 @@ def observe_post_load(observer: Callable[[Any, Callable[[], None]], None]) -> It
         yield
     finally:
         base_loader.process_weights_after_loading = original
+
+
+def before_every_post_load_step(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(model)`` in this process just before every ``process_weights_after_loading`` vLLM's
+    loaders run (once installed, for good; installing again is a no-op)."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = getattr(base_loader, "process_weights_after_loading", None)
+    if original is None:
+        raise _gone("base_loader.process_weights_after_loading to observe")
+    if getattr(original, "_tensorizer_manifest_hook", None) is not None:
+        return
+
+    def hooked(model, model_config, target_device):
+        hook(model)
+        return original(model, model_config, target_device)
+
+    hooked._tensorizer_manifest_hook = hook  # type: ignore[attr-defined]
+    base_loader.process_weights_after_loading = hooked
 
 
 @contextmanager
@@ -309,3 +335,75 @@ def model_class_name(model_config: Any) -> str:
 
     model_class, _ = get_model_architecture(model_config)
     return qualified_class(model_class)
+
+
+# --- vLLM's weight-reloading records (``rebuild``: saving an engine the default loader loaded) ------------
+
+
+def _reload_meta() -> Any:
+    try:
+        from vllm.model_executor.model_loader.reload import meta
+    except ImportError:
+        raise _gone("model_executor.model_loader.reload (the layers' tensors as created)") from None
+    return meta
+
+
+def created_tensors(layer: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A layer's parameters and buffers as its constructor made them (meta tensors with their class and
+    attributes), as vLLM records them for weight reloading; None when vLLM has no record of the layer."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.LAYERWISE_INFO.get(layer)
+    if info is None or info.restore_metadata == ({}, {}):
+        return None
+    return info.restore_metadata
+
+
+def skip_tensors() -> tuple[frozenset[str], frozenset[str]]:
+    """Tensor names vLLM's reloading does not record (``bias``, made after ``create_weights``), and those it
+    never loads (expert maps): the first are taken from the live layer, the second are not counted."""
+    meta = _reload_meta()
+    return frozenset(meta.SKIP_TENSORS), frozenset(meta.SKIP_LOAD_TENSORS)
+
+
+def to_meta_tensor(tensor: Any) -> Any:
+    """A meta copy of a tensor keeping its class and attributes (vLLM's own)."""
+    return _reload_meta().to_meta_tensor(tensor)
+
+
+def materialize_meta_tensor(tensor: Any) -> Any:
+    """An empty tensor in the current device context for a meta one, keeping its class and attributes."""
+    return _reload_meta().materialize_meta_tensor(tensor)
+
+
+def restore_layer_refs(tensor: Any, layer: Any) -> Any:
+    """Bind the methods vLLM's record took off a tensor (its ``weight_loader``) to ``layer``."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs as restore
+
+    return restore(tensor, layer)
+
+
+def numel_loaded(weight_loader: Any, bound_args: Any) -> tuple[int, Any]:
+    """How many elements a weight loader call fills (vLLM's count, run on whatever tensor it is given)."""
+    return _reload_meta().get_numel_loaded(weight_loader, bound_args)
+
+
+def load_numel(tensor: Any) -> int:
+    """The elements of a tensor its weight loaders fill (padding a weight's creator declares excluded)."""
+    return int(getattr(tensor, "weight_loader_numel", tensor.numel()))
+
+
+def default_weight_loader() -> Any:
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+
+    return loader
+
+
+def set_default_quant_scales(layer: Any) -> None:
+    """Register an attention layer's default scales (``_k_scale``... at 1.0) as its ``__init__`` does."""
+    from vllm.model_executor.layers.attention import attention
+
+    setter = getattr(attention, "set_default_quant_scales", None)
+    if setter is None:
+        raise _gone("layers.attention.attention.set_default_quant_scales (an attention layer's initial scales)")
+    setter(layer, register_buffer=True)

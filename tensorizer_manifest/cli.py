@@ -88,6 +88,19 @@ def remote_options(fn):
     return fn
 
 
+def encryption_key_option(help_text: str, *extra_names: str):
+    """``--encryption-key-file`` (vLLM's ``--encryption-keyfile`` too) as a command reads or writes it."""
+    return click.option(
+        "--encryption-key-file",
+        "--encryption-keyfile",
+        *extra_names,
+        "encryption_key_file",
+        type=_PATH,
+        default=None,
+        help=help_text,
+    )
+
+
 def _remote(s3_access_key_id, s3_secret_access_key, s3_endpoint):
     from .remote import RemoteOptions
 
@@ -151,14 +164,9 @@ def inspect(location: str, json: bool, **remote) -> None:
     help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
 )
 @remote_options
-@click.option(
-    "--encryption-key-file",
-    "--encryption-keyfile",
-    "encryption_key_file",
-    type=_PATH,
-    default=None,
-    help="Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
-    "hashes are checked after decryption. Without it, all else is checked.",
+@encryption_key_option(
+    "Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
+    "hashes are checked after decryption. Without it, all else is checked."
 )
 def validate(
     location: str,
@@ -445,16 +453,11 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
 @remote_options
-@click.option(
-    "--encryption-key-file",
-    "--encryption-keyfile",
-    "--encrypt-key-file",
-    "encryption_key_file",
-    type=_PATH,
-    default=None,
-    help="Encrypt the tensor data with tensorizer's encryption under this key file (else "
+@encryption_key_option(
+    "Encrypt the tensor data with tensorizer's encryption under this key file (else "
     "$TENSORIZER_MANIFEST_ENCRYPTION_KEY); without --signing-key-file the manifest is sealed with it too. "
     "Loading needs the same key (encryption_key_file in model_loader_extra_config).",
+    "--encrypt-key-file",
 )
 def save(
     src: str,
@@ -549,14 +552,7 @@ def save(
 @click.argument("checkpoint")
 @click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
 @click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
-@click.option(
-    "--encryption-key-file",
-    "--encryption-keyfile",
-    "encryption_key_file",
-    type=_PATH,
-    default=None,
-    help="An encrypted checkpoint's key.",
-)
+@encryption_key_option("An encrypted checkpoint's key.")
 @remote_options
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
 def add_form_command(

@@ -13,6 +13,20 @@ from .save import save_checkpoint, shutdown
 from .tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
 
+def engine_options(**engine: Any) -> dict[str, Any]:
+    """The settings of the demo's and the tests' engines: a tiny model's (a short context, one sequence,
+    64 MiB of KV cache, eager); ``engine`` (a kind's own: another dtype, an fp8 KV cache) wins."""
+    options: dict[str, Any] = dict(
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=1,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    return options | engine
+
+
 def generate_tokens(
     model_dir: str | Path,
     load_format: str = "auto",
@@ -28,19 +42,11 @@ def generate_tokens(
     """
     from vllm import LLM, SamplingParams
 
-    options: dict[str, Any] = dict(
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=1,
-        seed=0,
-        kv_cache_memory_bytes=64 << 20,
-    )
+    options = engine_options(**engine)
     if report is not None:
-        options["worker_extension_cls"] = WORKER_EXTENSION
+        options.setdefault("worker_extension_cls", WORKER_EXTENSION)
     if loader_config:
         options["model_loader_extra_config"] = loader_config
-    options.update(engine)  # a kind's own settings (another dtype, an fp8 KV cache) win
     started = time.perf_counter()
     llm = LLM(model=str(model_dir), load_format=load_format, **options)
     startup = time.perf_counter() - started

@@ -4,15 +4,19 @@
     ├── ManifestError (ValueError)            the manifest itself is unreadable or malformed
     │   └── ManifestVersionError               written by a newer format version
     ├── CheckpointNotFoundError (FileNotFoundError)
+    │   └── NoManifestError                     a tensorizer file with no manifest (stock vLLM's)
     ├── ConfigurationError (ValueError)         an option the user passed is invalid
     ├── IntegrityError (ValueError)            tensor file and manifest disagree (size, hash, records)
     ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
+    ├── NotReproducibleError (ValueError)      a running engine's state is not its source's: not saved
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
     ├── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
     └── RemoteStorageError (OSError)           s3:// or http(s):// storage failed; a transfer cut short
         ├── RemoteNotFoundError (CheckpointNotFoundError too)   no object at that URI
         ├── RemoteAccessError (PermissionError)                 the credentials were refused
-        └── RemoteUnreachableError (ConnectionError)            the endpoint cannot be reached
+        ├── RemoteUnreachableError (ConnectionError)            the endpoint cannot be reached
+        ├── RemoteThrottledError                                 still throttled (503 SlowDown) after retries
+        └── RemoteChangedError                                   the object was replaced mid-read
 
 Each class also inherits the builtin it refines (as huggingface_hub does), so
 callers that only know builtins still catch them. Messages say what is wrong
@@ -70,6 +74,11 @@ class CompatibilityError(TensorizerManifestError, ValueError):
         self.differences = differences or []
 
 
+class NotReproducibleError(TensorizerManifestError, ValueError):
+    """A running engine's state is not what its source weights give through vLLM's load and post-load step
+    (a weight changed after loading: a LoRA merged, an RLHF update): saving it would write something else."""
+
+
 class UnsupportedModelError(TensorizerManifestError, NotImplementedError):
     """The model does something at load time that the manifest cannot describe."""
 
@@ -97,6 +106,14 @@ class RemoteUnreachableError(RemoteStorageError, ConnectionError):
     """The endpoint cannot be reached (refused connection, unknown host, timeout)."""
 
 
+class RemoteThrottledError(RemoteStorageError):
+    """The server kept asking to slow down (HTTP 503 ``SlowDown``, 429) through every retry (``remote.RETRY_*``)."""
+
+
+class RemoteChangedError(RemoteStorageError):
+    """The object was replaced while it was being read (its ETag changed): the read is abandoned, never mixed."""
+
+
 __all__ = [
     "TensorizerManifestError",
     "ManifestError",
@@ -106,10 +123,13 @@ __all__ = [
     "ConfigurationError",
     "IntegrityError",
     "CompatibilityError",
+    "NotReproducibleError",
     "UnsupportedModelError",
     "ReplayError",
     "RemoteStorageError",
     "RemoteNotFoundError",
     "RemoteAccessError",
     "RemoteUnreachableError",
+    "RemoteThrottledError",
+    "RemoteChangedError",
 ]

@@ -43,7 +43,7 @@ from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 from .validate import open_checked_forms
-from .write import write_added_form, write_checkpoint
+from .write import copy_model_files, write_added_form, write_checkpoint
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
@@ -421,12 +421,16 @@ def register() -> None:
     """``vllm.general_plugins`` entry point: register both load formats in this process.
 
     It also keeps vLLM from logging S3 credentials given in ``model_loader_extra_config`` (vLLM logs its
-    engine arguments, that dict included, after loading plugins).
+    engine arguments, that dict included, after loading plugins), and records each layer's attributes before
+    vLLM's post-load step in any engine (a few dicts), so that one the default loader loaded can save itself.
     """
     _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
     apply_cpu_gemm_from_env()
     _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
     _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
+    from .rebuild import remember_pre_step_attributes
+
+    _vllm_compat.before_every_post_load_step(remember_pre_step_attributes)  # so any engine can save itself
 
 
 class ManifestWorkerExtension:
@@ -443,8 +447,17 @@ class ManifestWorkerExtension:
         signing_key_file: str | None = None,
         encryption_key_file: str | None = None,
         progress: bool = False,
+        portable: bool = False,
+        allow_unverified: bool = False,
+        fallbacks: bool = True,
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
+
+        An engine vLLM's default loader loaded (no ``tensorizer_manifest_capture``) is saved too: each
+        layer's state before vLLM's post-load step is rebuilt from the engine's source weights, one layer at a
+        time (``rebuild``), and must give back the engine's live tensors bit for bit, else nothing is written
+        (``rebuild.NotReproducibleError``). ``portable``, ``allow_unverified`` and ``fallbacks`` are then the
+        save options (a capture-loaded engine took them in ``model_loader_extra_config``).
 
         The capture holds a copy of every raw layer's pre-processing tensors (in a
         nameless temporary file, not in memory); it is released after the save (so
@@ -460,11 +473,9 @@ class ManifestWorkerExtension:
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
-        if capture is None:
-            raise TensorizerManifestError(
-                f"this engine was not loaded with load_format={CAPTURE_LOAD_FORMAT!r}, so the state before "
-                "vLLM's post-load step was not observed; start it with that load format to save"
-            )
+        if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
+            capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks)
+            keep_capture = False
         try:
             with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
                 manifest = write_checkpoint(
@@ -476,9 +487,13 @@ class ManifestWorkerExtension:
                     encryption_key=encryption_key,
                     progress=on_progress,
                 )
+            source = Path(str(self.vllm_config.model_config.model))
+            if _first_rank() and source.is_dir():  # so that vLLM's `model` can be the checkpoint itself
+                copy_model_files(source, Path(output_dir))
         finally:
             if not keep_capture:
-                delattr(model, _CAPTURE_ATTR)
+                if getattr(model, _CAPTURE_ATTR, None) is capture:
+                    delattr(model, _CAPTURE_ATTR)
                 capture.close()
         return {
             "manifest": str(Path(output_dir) / (capture.stem + MANIFEST_SUFFIX)),
@@ -491,6 +506,21 @@ class ManifestWorkerExtension:
             "seal": manifest.seal.mode if manifest.seal is not None else None,
             "encryption": manifest.tensor_file.encryption,
         }
+
+    def _tm_rebuilt_capture(self, model, portable: bool, allow_unverified: bool, fallbacks: bool) -> Capture:
+        from .rebuild import capture_running_engine
+
+        vllm_config = self.vllm_config
+        fingerprint = engine_fingerprint(vllm_config)
+        policy = CapturePolicy(
+            portable=portable,
+            allow_unverified=allow_unverified,
+            device_type=fingerprint.device_type,
+            fallbacks=fallbacks,
+        )
+        capture = capture_running_engine(model, vllm_config, policy, fingerprint)
+        capture.stem = rank_stem(vllm_config)
+        return capture
 
     def add_tensorizer_manifest_form(
         self, checkpoint_dir: str, signing_key_file: str | None = None, encryption_key_file: str | None = None

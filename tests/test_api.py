@@ -19,9 +19,11 @@ def test_public_api_is_what_was_meant():
         "validate_checkpoint", "ValidationReport", "Problem",
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
-        "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError", "ReplayError",
+        "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError",
+        "ReplayError", "NotReproducibleError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
+        "RemoteThrottledError", "RemoteChangedError",
     }  # fmt: skip
     for name in tm.__all__:
         assert getattr(tm, name) is not None, name
@@ -42,12 +44,15 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.ManifestVersionError, tm.ManifestError)
     assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(tm.NoManifestError, tm.CheckpointNotFoundError)
+    assert issubclass(tm.NotReproducibleError, tm.TensorizerManifestError)
     assert issubclass(tm.ConfigurationError, ValueError)
     assert issubclass(tm.ReplayError, RuntimeError)
     assert issubclass(tm.RemoteStorageError, OSError)
     assert issubclass(tm.RemoteNotFoundError, tm.CheckpointNotFoundError)
     assert issubclass(tm.RemoteAccessError, PermissionError) and issubclass(tm.RemoteAccessError, tm.RemoteStorageError)
     assert issubclass(tm.RemoteUnreachableError, ConnectionError)
+    assert issubclass(tm.RemoteThrottledError, tm.RemoteStorageError)
+    assert issubclass(tm.RemoteChangedError, tm.RemoteStorageError)
     for name in ("ManifestError", "CheckpointNotFoundError", "ConfigurationError", "IntegrityError",
                  "CompatibilityError", "UnsupportedModelError", "ReplayError", "RemoteStorageError",
                  "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError"):  # fmt: skip

@@ -23,6 +23,7 @@ def main() -> None:
     from helpers.errors import our_error
     from vllm import LLM, SamplingParams
 
+    from tensorizer_manifest.demo import engine_options
     from tensorizer_manifest.save import shutdown
     from tensorizer_manifest.tiny import DEMO_PROMPTS
 
@@ -37,12 +38,7 @@ def main() -> None:
             llm = LLM(
                 model=str(d),
                 load_format="tensorizer_manifest",
-                dtype="bfloat16",
-                enforce_eager=True,
-                max_model_len=128,
-                max_num_seqs=1,
-                seed=0,
-                kv_cache_memory_bytes=64 << 20,
+                **engine_options(),
             )
             out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             entry["tokens"] = list(out[0].outputs[0].token_ids)

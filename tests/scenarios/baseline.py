@@ -20,7 +20,7 @@ import traceback
 def main() -> None:
     kind, workdir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.demo import engine_options, generate_tokens
     from tensorizer_manifest.save import shutdown
     from tensorizer_manifest.tiny import build_tiny_model
 
@@ -33,12 +33,7 @@ def main() -> None:
 
             llm = LLM(
                 model=model_dir,
-                dtype="bfloat16",
-                enforce_eager=True,
-                max_model_len=128,
-                max_num_seqs=1,
-                seed=0,
-                kv_cache_memory_bytes=64 << 20,
+                **engine_options(),
             )
             try:
                 llm.collective_rpc("save_tensorized_model", kwargs={"tensorizer_config": {"tensorizer_uri": path}})

@@ -19,27 +19,22 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
-
-def error_chain(exc: BaseException) -> list[str]:
-    """Every class name and message in an exception's chain (vLLM may wrap ours)."""
-    chain, seen = [], exc
-    while seen is not None:
-        chain.append(f"{type(seen).__name__}: {seen}")
-        seen = seen.__cause__ or seen.__context__
-    return chain
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
     workdir = sys.argv[1]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from helpers.errors import error_chain
     from vllm import LLM, SamplingParams
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
 
     from tensorizer_manifest import WORKER_EXTENSION
     from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.demo import engine_options, generate_tokens
     from tensorizer_manifest.save import save_checkpoint, shutdown
     from tensorizer_manifest.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
@@ -47,17 +42,7 @@ def main() -> None:
     engine = engine_args("llama")
     result: dict = {}
 
-    llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=1,
-        seed=0,
-        kv_cache_memory_bytes=64 << 20,
-        worker_extension_cls=WORKER_EXTENSION,
-        **engine,
-    )
+    llm = LLM(model=model_dir, **engine_options(worker_extension_cls=WORKER_EXTENSION, **engine))
     try:
         outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         result["reference_tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
