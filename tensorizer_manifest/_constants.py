@@ -5,7 +5,7 @@ Nothing here imports anything, so any module may import it without creating a cy
 
 from __future__ import annotations
 
-__version__ = "0.4.0.dev0"
+__version__ = "0.5.0.dev0"
 
 #: What wrote a manifest (its ``producer`` field).
 PRODUCER = f"tensorizer-manifest {__version__}"

@@ -60,11 +60,25 @@ def remember_pre_step_attributes(model: torch.nn.Module) -> None:
     """Keep every module's and quant method's plain attributes as they are before vLLM's step (shallow: a
     few dicts per layer). Installed in every vLLM process by the plugin (``vllm_integration.register``)."""
     for module in model.modules():
-        _PRE_STEP_ATTRIBUTES[module] = {k: v for k, v in vars(module).items() if k not in _CONTAINERS}
+        _PRE_STEP_ATTRIBUTES[module] = _kept(vars(module), _CONTAINERS)
         method = module.__dict__.get("quant_method")
         if method is not None:
             with contextlib.suppress(TypeError):  # an object without weak references: not remembered
-                _PRE_STEP_ATTRIBUTES[method] = dict(vars(method))
+                _PRE_STEP_ATTRIBUTES[method] = _kept(vars(method))
+
+
+#: A tensor held as a plain attribute is remembered only up to this size: a larger one the step replaces
+#: would otherwise stay alive for as long as the engine serves.
+_MAX_KEPT_TENSOR_BYTES = 1 << 20
+
+
+def _kept(attributes: dict[str, Any], leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in attributes.items()
+        if name not in leave_out
+        and not (isinstance(value, torch.Tensor) and value.numel() * value.element_size() > _MAX_KEPT_TENSOR_BYTES)
+    }
 
 
 @dataclass

@@ -47,3 +47,12 @@ def test_a_loader_bound_to_the_live_layer_is_bound_to_its_shadow():
     weight.weight_loader = live.extra_repr  # any method of the live layer
     rebound = rebuild._rebind(weight, live, shadow)
     assert rebound.weight_loader.__self__ is shadow
+
+
+def test_a_large_tensor_held_as_an_attribute_is_not_kept_alive():
+    layer = torch.nn.Module()
+    layer.small = torch.zeros(4)
+    layer.large = torch.zeros(rebuild._MAX_KEPT_TENSOR_BYTES // 4 + 1)  # float32: just over the limit
+    rebuild.remember_pre_step_attributes(layer)
+    before = rebuild._PRE_STEP_ATTRIBUTES[layer]
+    assert "small" in before and "large" not in before
