@@ -51,7 +51,8 @@ def test_the_layout_is_read_within_the_limit_and_an_index_claiming_more_is_refus
     assert [entry.name for entry in layout.entries] == [k.encode() for k in TENSORS]
     assert layout.index_end == prefix_size(read_index(path), size)
     assert [list(entry.shape) for entry in layout.entries] == [list(t.shape) for t in TENSORS.values()]
-    with pytest.raises(LayoutError, match=r"tensorizer's index claims \d+ bytes, the manifest's records need at most -2097152"):
+    claims = r"tensorizer's index claims \d+ bytes, the manifest's records need at most -2097152"
+    with pytest.raises(LayoutError, match=claims):
         read_layout(path, size, index_limit=-(2 << 20))  # any index is longer than that
     (tmp_path / "y.tensors").write_bytes(b"N" * 128)
     with pytest.raises(LayoutError, match="not a tensorizer file"):
