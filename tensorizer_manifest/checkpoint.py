@@ -182,14 +182,14 @@ def find_manifest(
         return _manifest_beside(path)  # its manifest may be there even if the file is not: say which is missing
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory or manifest file")
+    if stem is not None and (path / (stem + MANIFEST_SUFFIX)).is_file():
+        return path / (stem + MANIFEST_SUFFIX)  # the usual case: no listing
     names = [p.name for p in path.iterdir()]
     stock = [name for name in _stock_tensor_files(names) if _is_tensorizer_file(path / name)]
     if stock:
         raise no_manifest_error(path / stock[0])
     if stem is not None:
         candidate = path / (stem + MANIFEST_SUFFIX)
-        if candidate.is_file():
-            return candidate
         mismatch = layout_mismatch(path, stem, names)
         if mismatch is not None:
             raise mismatch
@@ -209,6 +209,8 @@ def find_manifest(
 def _find_remote_manifest(location: RemoteFile | RemoteDir, stem: str | None) -> RemoteFile:
     if isinstance(location, RemoteFile):
         return _manifest_beside(location) if location.name.endswith(TENSORS_SUFFIX) else location
+    if stem is not None and (location / (stem + MANIFEST_SUFFIX)).exists():
+        return location / (stem + MANIFEST_SUFFIX)  # the usual case: one HEAD, no listing
     names = location.list_names() if location.scheme == "s3" else None
     stock = [name for name in _stock_tensor_files(names or []) if _is_tensorizer_file(location / name)]
     if stock:
