@@ -31,6 +31,8 @@ from .schema import EncryptionKey
 _CHUNK = 1 << 20
 #: Remote head hashing reads through tensor data shorter than this rather than make another request.
 _REMOTE_MERGE = 4 << 20
+#: The least tensor data a remote check may read through in all (``read_through_budget``).
+_READ_THROUGH_MIN = 1 << 20
 
 
 class IndexEntry(NamedTuple):
@@ -347,11 +349,22 @@ def _keep_ranges(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int
     return keep
 
 
-def request_groups(ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Sorted ranges as ranged requests: one per run, reading through gaps shorter than ``_REMOTE_MERGE``."""
+def read_through_budget(file_size: int) -> int:
+    """Bytes of tensor data a remote check may read through (and throw away) to save requests: 1% of the file,
+    at least 1 MiB. The checks then fetch the file's non-data bytes plus at most this, so a load is one full
+    read of the file and a bounded remainder, however small its tensors are."""
+    return max(_READ_THROUGH_MIN, file_size // 100)
+
+
+def request_groups(ranges: list[tuple[int, int]], budget: int | None = None) -> list[list[tuple[int, int]]]:
+    """Sorted ranges as ranged requests: one per run, reading through gaps shorter than ``_REMOTE_MERGE``
+    while the gaps read through add up to at most ``budget`` bytes (no limit when None)."""
     requests: list[list[tuple[int, int]]] = []
+    spent = 0
     for begin, end in ranges:
-        if requests and begin - requests[-1][-1][1] < _REMOTE_MERGE:
+        gap = begin - requests[-1][-1][1] if requests else None
+        if gap is not None and gap < _REMOTE_MERGE and (budget is None or spent + max(gap, 0) <= budget):
+            spent += max(gap, 0)
             requests[-1].append((begin, end))
         else:
             requests.append([(begin, end)])
@@ -361,7 +374,7 @@ def request_groups(ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]
 def _remote_head_hash(path: RemoteFile, spans: list[tuple[int, int]], size: int) -> str:
     """``head_hash`` with ranged requests: one per run of header bytes, reading through short tensor data."""
     h = blake3.blake3()
-    for group in request_groups(_keep_ranges(spans, size)):
+    for group in request_groups(_keep_ranges(spans, size), read_through_budget(size)):
         position = group[0][0]
         wanted = iter(group)
         current = next(wanted)

@@ -15,10 +15,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+import blake3
+
 from .checkpoint import TENSORIZER_MAGIC
 from .remote import RemoteFile
 from .schema import TensorRecord
-from .tensor_file import request_groups, torch_dtype_name
+from .tensor_file import read_through_budget, request_groups, torch_dtype_name
 
 #
 # tensorizer believes the sizes it finds: the index's length (it reads that many bytes), each tensor header's own
@@ -39,6 +41,9 @@ _INDEX_SLACK = 1 << 20
 _HEADER_SLACK = 4 << 10
 #: tensorizer's smallest encryption chunk, and the MAC each chunk has in the tensor header.
 _MIN_CRYPT_CHUNK, _MAC_BYTES = 1024, 16
+#: Bytes after the last tensor's data read along with the tensor headers (tensorizer writes a few); more are hashed
+#: a chunk at a time.
+_TAIL_IN_ONE_READ = 1 << 20
 #: What every header problem ends with: what it means, and what to do.
 _DAMAGED = "the tensor file is damaged or is not the one this manifest was saved with: restore it, or re-save"
 
@@ -71,16 +76,17 @@ class LayoutError(ValueError):
     """tensorizer's file header or index cannot be parsed within the bounds given."""
 
 
-def _read_spans(path: Path | RemoteFile, spans: list[tuple[int, int]]) -> Iterator[bytes]:
+def _read_spans(path: Path | RemoteFile, spans: list[tuple[int, int]], size: int) -> Iterator[bytes]:
     """The bytes of each ``(begin, end)`` span, in order (sorted, disjoint, each small): what it holds at once is
-    one span (and, remotely, one transfer chunk). A span past the end of the file comes back short."""
+    one span (and, remotely, one transfer chunk). A span past the end of the file comes back short. Remotely,
+    spans share a ranged request when the data between them fits ``read_through_budget`` (of a ``size`` file)."""
     if not isinstance(path, RemoteFile):
         with open(path, "rb") as f:
             for begin, end in spans:
                 f.seek(begin)
                 yield f.read(max(0, end - begin))
         return
-    for group in request_groups(spans):
+    for group in request_groups(spans, read_through_budget(size)):
         if group[-1][1] <= group[0][0]:  # nothing to read: read_range would yield no chunk
             yield from (b"" for _ in group)
             continue
@@ -101,16 +107,39 @@ def _read_spans(path: Path | RemoteFile, spans: list[tuple[int, int]]) -> Iterat
             position = chunk_end
 
 
-def read_layout(path: Path | RemoteFile, size: int, index_limit: int) -> FileLayout:
-    """tensorizer's file header and index (the file has ``size`` bytes), reading at most ``index_limit`` index bytes.
+def _read_chunks(path: Path | RemoteFile, begin: int, end: int) -> Iterator[bytes]:
+    """Bytes ``begin`` to ``end`` a chunk at a time (a span too long to hold at once)."""
+    if isinstance(path, RemoteFile):
+        yield from path.read_range(begin, end)
+        return
+    with open(path, "rb") as f:
+        f.seek(begin)
+        while begin < end and (chunk := f.read(min(end - begin, _TAIL_IN_ONE_READ))):
+            begin += len(chunk)
+            yield chunk
 
-    An index longer than ``index_limit`` plus tensorizer's slack (or a file header that is not tensorizer's,
-    or an index cut short) is a ``LayoutError``: nothing past the limit is read.
+
+def _read_one(path: Path | RemoteFile, begin: int, end: int, size: int) -> bytes:
+    (data,) = _read_spans(path, [(begin, min(end, size))], size)
+    return data
+
+
+def read_layout(
+    path: Path | RemoteFile, size: int, index_limit: int, prefix_size: int | None = None
+) -> tuple[FileLayout, bytes]:
+    """tensorizer's file header and index (the file has ``size`` bytes), reading at most ``index_limit`` index
+    bytes plus tensorizer's slack; with the bytes they take (the file's prefix, up to ``index_end``).
+
+    With the manifest's ``prefix_size`` (within those bounds), the prefix is one read. An index longer than
+    the bounds (or a file header that is not tensorizer's, or an index cut short) is a ``LayoutError``:
+    nothing past the limit is read.
     """
-    (head,) = _read_spans(path, [(0, min(_FILE_HEADER.size, size))])
+    bound = _FILE_HEADER.size + index_limit + _INDEX_SLACK
+    first = prefix_size if prefix_size is not None and _FILE_HEADER.size <= prefix_size <= bound else 0
+    head = _read_one(path, 0, max(first, _FILE_HEADER.size), size)
     if len(head) < _FILE_HEADER.size:
         raise LayoutError(f"the file has {len(head)} bytes, fewer than tensorizer's file header")
-    magic, version, flags, _, count, index_length = _FILE_HEADER.unpack(head)
+    magic, version, flags, _, count, index_length = _FILE_HEADER.unpack_from(head)
     if magic != TENSORIZER_MAGIC:
         raise LayoutError("it is not a tensorizer file (its first bytes are not tensorizer's magic)")
     if version not in _DATA_VERSIONS:
@@ -119,8 +148,11 @@ def read_layout(path: Path | RemoteFile, size: int, index_limit: int) -> FileLay
         raise LayoutError(
             f"tensorizer's index claims {index_length} bytes, the manifest's records need at most {index_limit}"
         )
-    (raw,) = _read_spans(path, [(_FILE_HEADER.size, min(_FILE_HEADER.size + min(index_length, index_limit), size))])
-    fields = _Fields(raw, "tensorizer's index")
+    index_end = _FILE_HEADER.size + index_length
+    if len(head) < index_end:
+        head += _read_one(path, len(head), index_end, size)
+    raw = head[_FILE_HEADER.size : index_end]
+    fields = _Fields(raw[:index_limit], "tensorizer's index")
     entries = []
     for _ in range(min(count, len(raw) // _INDEX_ENTRY_FIXED)):  # a count past what the bytes hold is cut short below
         name = fields.sized("<H")
@@ -132,7 +164,7 @@ def read_layout(path: Path | RemoteFile, size: int, index_limit: int) -> FileLay
     if len(entries) < count:
         raise LayoutError(f"tensorizer's file header counts {count} tensors, its index holds {len(entries)}")
     encrypted = version == 3 or (version >= 4 and bool(int.from_bytes(flags, "little") & 1))
-    return FileLayout(version, encrypted, count, _FILE_HEADER.size + index_length, entries)
+    return FileLayout(version, encrypted, count, index_end, entries), bytes(head[:index_end])
 
 
 class _Fields:
@@ -180,6 +212,19 @@ def _key_of(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
 
 
+class HeaderScan(NamedTuple):
+    """What one pass of plain reads over a file's non-data bytes found, before tensorizer parses any of it."""
+
+    problems: list[str]
+    """Each size field tensorizer would believe that does not match the records; empty when all do."""
+    prefix_hash: str | None
+    """blake3 of the file's first ``prefix_size`` bytes, when they were read in the pass (None otherwise)."""
+    head_hash: str | None
+    """``tensor_file.head_hash`` of the file, from the same bytes, when there were no problems."""
+    data_spans: dict[str, tuple[int, int]]
+    """Each tensor's data offset and length as the pass found them: the head hash holds for this layout."""
+
+
 def header_problems(
     path: Path | RemoteFile,
     records: Mapping[str, TensorRecord],
@@ -188,7 +233,20 @@ def header_problems(
     encrypted: bool,
     prefix_size: int | None = None,
 ) -> list[str]:
-    """Every size field tensorizer will believe, against the manifest's ``records`` (by key), before it parses a byte.
+    """``scan_headers``'s problems alone."""
+    return scan_headers(path, records, size=size, encrypted=encrypted, prefix_size=prefix_size).problems
+
+
+def scan_headers(
+    path: Path | RemoteFile,
+    records: Mapping[str, TensorRecord],
+    *,
+    size: int,
+    encrypted: bool,
+    prefix_size: int | None = None,
+) -> HeaderScan:
+    """Every size field tensorizer will believe, against the manifest's ``records`` (by key), before it parses a byte;
+    and the file's prefix and head hashes from the same reads, so the checks read each non-data byte once.
 
     With plain bounded reads: the file header and index (at most what the records' entries can take), then each
     tensor's own header (at most ``_header_limit`` bytes). tensorizer reads the index at open, then each tensor's
@@ -199,15 +257,24 @@ def header_problems(
     One message per mismatch; the first layout fault stops the check (what follows cannot be located).
     """
     try:
-        layout = read_layout(path, size, _index_limit(records))
+        layout, prefix = read_layout(path, size, _index_limit(records), prefix_size)
     except LayoutError as exc:
-        return [f"{exc}: {_DAMAGED}"]
+        return HeaderScan([f"{exc}: {_DAMAGED}"], None, None, {})
+    prefix_digest = None
+    if prefix_size is not None and prefix_size <= len(prefix):
+        prefix_digest = "blake3:" + blake3.blake3(prefix[:prefix_size]).hexdigest()
+
+    def failed(problems: list[str]) -> HeaderScan:
+        return HeaderScan(problems, prefix_digest, None, {})
+
     if layout.encrypted != encrypted:
-        return [
-            "the tensor file is encrypted, its manifest says it is not"
-            if layout.encrypted
-            else f"the tensor file is not encrypted, its manifest says it is: {_DAMAGED}"
-        ]
+        return failed(
+            [
+                "the tensor file is encrypted, its manifest says it is not"
+                if layout.encrypted
+                else f"the tensor file is not encrypted, its manifest says it is: {_DAMAGED}"
+            ]
+        )
     problems = []
     if prefix_size is not None and prefix_size != layout.index_end:
         problems.append(
@@ -228,31 +295,45 @@ def header_problems(
         f"tensor {key!r} is in the manifest but not in tensorizer's index" for key in sorted(set(records) - seen)
     ]
     if problems:
-        return [f"{p}: {_DAMAGED}" for p in problems]
+        return failed([f"{p}: {_DAMAGED}" for p in problems])
     spans = []
     position = layout.index_end
     for entry in layout.entries:
         key = _key_of(entry.name)
         limit = _header_limit(key, records[key], encrypted)
         if entry.header_offset != position:
-            return [
-                f"tensor {key!r}: tensorizer's index puts its header at byte {entry.header_offset}, tensorizer reads "
-                f"it at byte {position} (after the index or the previous tensor's data): {_DAMAGED}"
-            ]
+            return failed(
+                [
+                    f"tensor {key!r}: tensorizer's index puts its header at byte {entry.header_offset}, tensorizer "
+                    f"reads it at byte {position} (after the index or the previous tensor's data): {_DAMAGED}"
+                ]
+            )
         header_length = entry.data_offset - entry.header_offset
         if not 0 < header_length <= limit:
-            return [
-                f"tensor {key!r}: tensorizer's index gives its header {header_length} bytes (from byte "
-                f"{entry.header_offset} to its data), a header for its record has at most {limit}: {_DAMAGED}"
-            ]
+            return failed(
+                [
+                    f"tensor {key!r}: tensorizer's index gives its header {header_length} bytes (from byte "
+                    f"{entry.header_offset} to its data), a header for its record has at most {limit}: {_DAMAGED}"
+                ]
+            )
         position = entry.data_offset + entry.data_length
         if position > size:
-            return [f"tensor {key!r} ends at byte {position}, past the file's {size} bytes: {_DAMAGED}"]
+            return failed([f"tensor {key!r} ends at byte {position}, past the file's {size} bytes: {_DAMAGED}"])
         spans.append((entry.header_offset, entry.data_offset))
-    for entry, raw in zip(layout.entries, _read_spans(path, spans), strict=True):
+    tail = (position, size)  # tensorizer's few bytes after the last tensor's data
+    head = blake3.blake3(prefix)  # every byte that is not tensor data: the prefix, each tensor's header, the tail
+    small_tail = size - position <= _TAIL_IN_ONE_READ
+    pieces = _read_spans(path, [*spans, tail] if small_tail else spans, size)
+    for entry, raw in zip(layout.entries, pieces, strict=False):
         key = _key_of(entry.name)
+        head.update(raw)
         problems += _tensor_header_mismatches(key, records[key], entry, raw, encrypted)
-    return [f"{p}: {_DAMAGED}" for p in problems]
+    for piece in pieces if small_tail else _read_chunks(path, *tail):
+        head.update(piece)
+    if problems:
+        return failed([f"{p}: {_DAMAGED}" for p in problems])
+    data_spans = {_key_of(e.name): (e.data_offset, e.data_length) for e in layout.entries}
+    return HeaderScan([], prefix_digest, "blake3:" + head.hexdigest(), data_spans)
 
 
 def _entry_mismatches(

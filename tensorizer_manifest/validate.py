@@ -123,9 +123,9 @@ def open_checked_forms(
 @contextmanager
 def _open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, num_readers):
     try:
-        problems = check_before_parsing(ref, tensor_path, by_key)
+        problems, scan = check_before_parsing(ref, tensor_path, by_key)
     except RemoteStorageError as exc:
-        problems = [Problem(type(exc), str(tensor_path), str(exc))]
+        problems, scan = [Problem(type(exc), str(tensor_path), str(exc))], None
     ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()
     try:
         reader = TensorFileReader(tensor_path, device=device, num_readers=num_readers, encryption_key=encryption_key)
@@ -135,7 +135,7 @@ def _open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, n
         raise IntegrityError(f"{tensor_path}: the tensor file is encrypted, its manifest says it is not") from None
     with reader:
         try:
-            problems = check_index(ref, tensor_path, by_key, reader.index())
+            problems = check_index(ref, tensor_path, by_key, reader.index(), scan)
         except RemoteStorageError as exc:
             problems = [Problem(type(exc), str(tensor_path), str(exc))]
         ValidationReport(manifest_path, tensor_path, problems=tuple(problems)).raise_for_problems()

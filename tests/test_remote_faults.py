@@ -27,7 +27,7 @@ import torch
 from helpers.servers import BUCKET, Fault, FaultProxy
 from helpers.synthetic import fresh_synthetic_model, write_synthetic_checkpoint
 
-from tensorizer_manifest import remote
+from tensorizer_manifest import remote, tensor_file
 from tensorizer_manifest.checkpoint import load_manifest
 from tensorizer_manifest.errors import (
     IntegrityError,
@@ -109,6 +109,11 @@ def data_offset(saved) -> int:
     return entry.data_offset + entry.data_length // 2
 
 
+def non_data(saved) -> int:
+    """Bytes of the tensor file that are not tensor data: tensorizer's header, index and tensor headers."""
+    return saved["tensors"].stat().st_size - sum(e.data_length for e in read_index(saved["tensors"]).values())
+
+
 def other_version(saved) -> bytes:
     """The tensor file with one tensor's data changed: same size, header and index (what a broken
     re-upload or an overwrite in place looks like); only the content hashes can tell."""
@@ -184,16 +189,24 @@ def test_backoff_grows_is_capped_and_jittered():
 # -- a clean fleet through the proxy: the accounting the fault tests rely on --------------------------------------
 
 
-def test_a_clean_fleet_reads_each_tensor_file_once_per_reader(saved, proxy):
+@pytest.mark.parametrize("least_read_through", [1 << 20, 0], ids=["default", "no-least-budget"])
+def test_a_clean_fleet_reads_each_tensor_file_once_per_reader(saved, proxy, monkeypatch, least_read_through):
+    """Three readers at once, each one full read of the tensor file plus the checks' reads of its non-data bytes.
+    This file is smaller than the least read-through budget (the checks then read it whole); without that
+    floor they read its non-data bytes and 1% of it."""
+    monkeypatch.setattr(tensor_file, "_READ_THROUGH_MIN", least_read_through)
     size = saved["tensors"].stat().st_size
     with ThreadPoolExecutor(3) as pool:
         states = list(pool.map(lambda n: load(saved["uri"], reader_options(proxy.url, n)), range(3)))
     assert all(same_state(s, saved["state"]) for s in states)
     for n in range(3):
         streams = [r for r in proxy.matching("GET", saved["name"], key_id(n)) if r.range is None]
-        assert [r.sent for r in streams] == [size]  # one full read of the tensor file each, no more
-        # The checks' ranged reads come on top (for a file this small the head hash reads through its data).
-        assert proxy.fetched(saved["name"], key_id(n)) == proxy.fetched(saved["name"], key_id(0)) > size
+        assert [r.sent for r in streams] == [size]  # one full read of the tensor file each
+        # The checks' ranged reads come on top: each non-data byte once, and short tensor data read through to
+        # save requests (at most 1% of the file, or 1 MiB).
+        checks = proxy.fetched(saved["name"], key_id(n)) - size
+        assert non_data(saved) <= checks <= non_data(saved) + max(least_read_through, size // 100), (checks, size)
+        assert proxy.fetched(saved["name"], key_id(n)) == proxy.fetched(saved["name"], key_id(0))
     assert proxy.fetched(client=None) == sum(proxy.fetched(client=key_id(n)) for n in range(3))
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tensorizer_manifest.schema import EncryptionKey
-from tensorizer_manifest.tensor_file import prefix_size, read_index, write_tensor_file
-from tensorizer_manifest.tensor_headers import LayoutError, header_problems, read_layout
+from tensorizer_manifest.tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
+from tensorizer_manifest.tensor_headers import LayoutError, header_problems, read_layout, scan_headers
 from tensorizer_manifest.tensors import make_record
 
 TENSORS = {
@@ -47,7 +47,8 @@ def test_the_layout_is_read_within_the_limit_and_an_index_claiming_more_is_refus
     path = tmp_path / "x.tensors"
     write_tensor_file(path, TENSORS.items())
     size = path.stat().st_size
-    layout = read_layout(path, size, index_limit=1 << 16)
+    layout, prefix = read_layout(path, size, index_limit=1 << 16)
+    assert prefix == path.read_bytes()[: layout.index_end]
     assert [entry.name for entry in layout.entries] == [k.encode() for k in TENSORS]
     assert layout.index_end == prefix_size(read_index(path), size)
     assert [list(entry.shape) for entry in layout.entries] == [list(t.shape) for t in TENSORS.values()]
@@ -59,3 +60,32 @@ def test_the_layout_is_read_within_the_limit_and_an_index_claiming_more_is_refus
         read_layout(tmp_path / "y.tensors", 128, index_limit=1 << 16)
     with pytest.raises(LayoutError, match="the file has 16 bytes, fewer than tensorizer's file header"):
         read_layout(tmp_path / "y.tensors", 16, index_limit=1 << 16)
+
+
+def test_one_pass_gives_the_prefix_and_head_hashes_the_separate_reads_give_locally_and_over_http(tmp_path):
+    """The checks read each non-data byte once: ``scan_headers``'s hashes are ``prefix_hash`` and ``head_hash``
+    of the same file (plain and encrypted, local and with ranged reads), and a changed header byte changes
+    the head hash it gives."""
+    from helpers.servers import RangeHTTPServer
+
+    from tensorizer_manifest.remote import RemoteFile
+
+    records = {k: make_record(k, t, kind="buffer", persistent=True, key=k) for k, t in TENSORS.items()}
+    with RangeHTTPServer(tmp_path) as server:
+        for encrypted in (False, True):
+            path = tmp_path / f"encrypted-{encrypted}.tensors"
+            write_tensor_file(path, TENSORS.items(), EncryptionKey(b"k" * 32) if encrypted else None)
+            size, index = path.stat().st_size, read_index(path, encrypted=encrypted)
+            expected = (prefix_hash(path, prefix_size(index, size)), head_hash(path, index))
+            for where in (path, RemoteFile(f"{server.url}/{path.name}")):
+                scan = scan_headers(
+                    where, records, size=size, encrypted=encrypted, prefix_size=prefix_size(index, size)
+                )
+                assert (scan.problems, scan.prefix_hash, scan.head_hash) == ([], *expected)
+                assert scan.data_spans == {k: (e.data_offset, e.data_length) for k, e in index.items()}
+        data = bytearray(path.read_bytes())
+        data[index["c"].data_offset - 9] ^= 1  # tensorizer's checksum field in tensor c's header
+        path.write_bytes(bytes(data))
+        scan = scan_headers(path, records, size=size, encrypted=True, prefix_size=prefix_size(index, size))
+        assert scan.problems == [] and scan.prefix_hash == expected[0] and scan.head_hash != expected[1]
+        assert scan.head_hash == head_hash(path, index)

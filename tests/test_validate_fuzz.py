@@ -202,7 +202,7 @@ _FAR = 1 << 40
 def bounded_index(tensor_path: Path) -> dict[str, IndexEntry]:
     """A damaged file's index as the bounded parser reads it (never tensorizer: it believes a damaged length),
     keyed by position; a ``LayoutError`` when it cannot be parsed within the pristine records' bounds."""
-    layout = read_layout(tensor_path, tensor_path.stat().st_size, pristine().index_limit)
+    layout, _ = read_layout(tensor_path, tensor_path.stat().st_size, pristine().index_limit)
     return {
         str(i): IndexEntry("", list(e.shape), e.data_offset, e.data_length, e.header_offset)
         for i, e in enumerate(layout.entries)

@@ -22,7 +22,7 @@ from ..errors import (
 from ..progress import ProgressCallback, ProgressCounter
 from ..schema import EncryptionKey, TensorFileRef, TensorRecord
 from ..tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
-from ..tensor_headers import header_problems
+from ..tensor_headers import HeaderScan, scan_headers
 from ..tensors import hash_tensor
 from .report import Problem
 
@@ -33,7 +33,7 @@ def check_tensor_file(ref: TensorFileRef, tensor_path: FileLocation, by_key: dic
     A remote file that cannot be read is one problem of its ``RemoteStorageError`` kind.
     """
     try:
-        problems = check_before_parsing(ref, tensor_path, by_key)
+        problems, scan = check_before_parsing(ref, tensor_path, by_key)
         if problems:
             return problems  # tensorizer never sees a file whose header and index are not the saved ones
         try:
@@ -49,16 +49,19 @@ def check_tensor_file(ref: TensorFileRef, tensor_path: FileLocation, by_key: dic
                     "the file's header does not match the manifest",
                 )
             ]
-        return check_index(ref, tensor_path, by_key, index)
+        return check_index(ref, tensor_path, by_key, index, scan)
     except RemoteStorageError as exc:
         return [Problem(type(exc), str(tensor_path), str(exc))]
 
 
 def check_before_parsing(
     ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord]
-) -> list[Problem]:
+) -> tuple[list[Problem], HeaderScan | None]:
     """What plain reads can check before tensorizer parses a byte: the size, the prefix, then every size field
-    tensorizer would believe (``header_problems``), so that what it allocates is what the records say."""
+    tensorizer would believe (``scan_headers``), so that what it allocates is what the records say.
+
+    One pass reads the file's non-data bytes; the scan it returns carries the head hash ``check_index`` needs.
+    """
     where = str(tensor_path)
     size = file_size(tensor_path)
     if size != ref.size:
@@ -68,26 +71,43 @@ def check_before_parsing(
                 where,
                 f"{size} bytes, the manifest says {ref.size}: the file is truncated, padded or from another save",
             )
-        ]
+        ], None
     total = sum(r.nbytes for r in by_key.values())
     if total > size:
-        return [Problem(IntegrityError, where, f"the manifest claims {total} bytes of tensors in a {size} byte file")]
-    prefix = _check_prefix(ref, tensor_path, size)
-    if prefix is not None:
-        return [prefix]
-    found = header_problems(
-        tensor_path, by_key, size=size, encrypted=ref.encryption != "none", prefix_size=ref.prefix_size
-    )
-    return [Problem(IntegrityError, where, message) for message in found]
+        claims = f"the manifest claims {total} bytes of tensors in a {size} byte file"
+        return [Problem(IntegrityError, where, claims)], None
+    recorded = _recorded_prefix(ref, where, size)
+    if isinstance(recorded, Problem):
+        return [recorded], None
+    scan = scan_headers(tensor_path, by_key, size=size, encrypted=ref.encryption != "none", prefix_size=recorded)
+    if recorded is not None:
+        digest = scan.prefix_hash if scan.prefix_hash is not None else prefix_hash(tensor_path, recorded)
+        if digest != ref.prefix_hash:
+            return [
+                Problem(
+                    IntegrityError,
+                    where,
+                    "the file's header does not match the manifest (tensorizer's file header or index differs; "
+                    "checked before tensorizer reads it): it belongs to another checkpoint or is damaged",
+                )
+            ], None
+    return [Problem(IntegrityError, where, message) for message in scan.problems], scan
 
 
 def check_index(
-    ref: TensorFileRef, tensor_path: FileLocation, by_key: dict[str, TensorRecord], index: dict[str, IndexEntry]
+    ref: TensorFileRef,
+    tensor_path: FileLocation,
+    by_key: dict[str, TensorRecord],
+    index: dict[str, IndexEntry],
+    scan: HeaderScan | None = None,
 ) -> list[Problem]:
-    """tensorizer's index of the file (already parsed) and the bytes around the data against the manifest."""
+    """tensorizer's index of the file (already parsed) and the bytes around the data against the manifest.
+
+    The head hash is the ``scan``'s when tensorizer parsed the same layout (no read); otherwise it is read again.
+    """
     where, size = str(tensor_path), ref.size  # the size was checked before parsing
     problems: list[Problem] = []
-    if ref.head_hash is not None and head_hash(tensor_path, index) != ref.head_hash:
+    if ref.head_hash is not None and _head_hash(tensor_path, index, scan) != ref.head_hash:
         problems.append(
             Problem(
                 IntegrityError,
@@ -137,28 +157,27 @@ def check_index(
     return problems
 
 
-def _check_prefix(ref: TensorFileRef, tensor_path: FileLocation, size: int) -> Problem | None:
-    """tensorizer's file header and index against the manifest, with plain reads of at most the file's size.
+def _head_hash(tensor_path: FileLocation, index: dict[str, IndexEntry], scan: HeaderScan | None) -> str:
+    """The scan's head hash when its layout is tensorizer's (the same data spans), else read from the file."""
+    if scan is not None and scan.head_hash is not None:
+        if scan.data_spans == {key: (e.data_offset, e.data_length) for key, e in index.items()}:
+            return scan.head_hash
+    return head_hash(tensor_path, index)
 
-    tensorizer believes the size fields it finds there (a damaged index length
-    makes it allocate what it claims), so they are checked before it opens the
-    file. Manifests of 0.2.0 and older have no prefix: tensorizer reads their index unchecked.
+
+def _recorded_prefix(ref: TensorFileRef, where: str, size: int) -> int | None | Problem:
+    """The manifest's prefix size, checked for sense (None for manifests of 0.2.0 and older, which have none).
+
+    tensorizer believes the size fields in its file header and index (a damaged index length makes it
+    allocate what it claims), so the prefix's hash is checked before it opens the file.
     """
-    where = str(tensor_path)
     if ref.prefix_size is None and ref.prefix_hash is None:
         return None
     if ref.prefix_size is None or ref.prefix_hash is None:
         return Problem(ManifestError, where, "prefix_size and prefix_hash are recorded together or not at all")
     if ref.prefix_size > size:
         return Problem(IntegrityError, where, f"the manifest's prefix_size {ref.prefix_size} is past the file's end")
-    if prefix_hash(tensor_path, ref.prefix_size) != ref.prefix_hash:
-        return Problem(
-            IntegrityError,
-            where,
-            "the file's header does not match the manifest (tensorizer's file header or index differs; "
-            "checked before tensorizer reads it): it belongs to another checkpoint or is damaged",
-        )
-    return None
+    return ref.prefix_size
 
 
 def check_hashes(
