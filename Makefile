@@ -11,18 +11,22 @@ setup: .venv/.setup-complete
 demo: setup
 	.venv/bin/tensorizer-manifest demo
 
+# Two pytest-xdist workers, one per core: each engine start is mostly one busy thread (tests/conftest.py
+# keeps a module's tests, and each kind of the family matrix, on one worker).
+PYTEST = .venv/bin/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
+
 # Lint, format check and the import layers, then every test, the slow end-to-end ones on real vLLM
 # included (what CI runs).
 test: lint
-	.venv/bin/python -m pytest -q
+	$(PYTEST)
 
 # The fast subset, for work in progress.
 test-quick: lint
-	.venv/bin/python -m pytest -q -m "not e2e"
+	$(PYTEST) -m "not e2e"
 
 # A few kinds of the architecture matrix on real vLLM (one dense, one MoE, one long-context kind).
 test-e2e-quick: lint
-	.venv/bin/python -m pytest -q -m "quick"
+	$(PYTEST) -m "quick"
 
 lint: setup
 	.venv/bin/ruff check $(SOURCES)

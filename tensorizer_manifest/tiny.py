@@ -15,6 +15,9 @@ multiples of 32 (the CPU WNA16, MoE and fp8 KV cache paths require it).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -542,17 +545,35 @@ def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **
     Idempotent: an existing complete directory is reused, so tests and the
     demo can cache it. ``sizes`` override the config (``hidden_size``,
     ``num_hidden_layers``, ``num_experts``...): the benchmarks build larger
-    models of the same kinds.
+    models of the same kinds. Built beside ``out_dir`` and renamed into place,
+    so processes building one kind at once never see each other's half-written files.
     """
-    from safetensors.torch import save_file
-
     if kind not in TINY_KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
     out = Path(out_dir)
-    done_marker = out / ".tiny-model-complete"
-    if done_marker.exists():
+    if (out / _DONE_MARKER).exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        _write_tiny_model(building, kind, seed, sizes)
+        try:
+            building.rename(out)
+        except OSError:  # a directory is there: another process's complete build, or files of someone else's
+            if not (out / _DONE_MARKER).exists():
+                for built in sorted(building.iterdir(), key=lambda f: f.name == _DONE_MARKER):  # the marker last
+                    os.replace(built, out / built.name)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return out
+
+
+_DONE_MARKER = ".tiny-model-complete"
+
+
+def _write_tiny_model(out: Path, kind: str, seed: int, sizes: dict[str, int]) -> None:
+    from safetensors.torch import save_file
+
     vocab_size = sizes.get("vocab_size", _VOCAB_SIZE)
     _build_tokenizer(out, vocab_size)
     model = _random_model(kind, vocab_size, seed, sizes)
@@ -587,5 +608,4 @@ def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **
         config_json["quantization_config"] = quant_config
         config_path.write_text(json.dumps(config_json, indent=2))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    done_marker.write_text(kind + "\n")
-    return out
+    (out / _DONE_MARKER).write_text(kind + "\n")

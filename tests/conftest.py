@@ -1,8 +1,17 @@
 """Shared fixtures. End-to-end scenarios run real vLLM in their own processes (vLLM keeps
-process-global state), once per session, and hand their JSON results to the tests."""
+process-global state), once per session, and hand their JSON results to the tests.
+
+``make test`` runs two pytest-xdist workers: a module's tests stay on one worker (its module-scoped
+scenario runs once), the family matrix is grouped by kind (``pytest_xdist_make_scheduler``), and a
+scenario several modules share runs once for both workers (``Scenarios`` keeps its result in the
+directory they share, under a file lock).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -15,10 +24,82 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
 
+def _shared_dir(tmp_path_factory) -> Path:
+    """The session's temporary root: under pytest-xdist, the one every worker's own root is in."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def e2e_dir(tmp_path_factory) -> Path:
-    """One directory per session: tiny models are built once and shared by every scenario."""
-    return tmp_path_factory.mktemp("e2e")
+    """One directory per session, shared by the workers: tiny models are built once for every scenario."""
+    path = _shared_dir(tmp_path_factory) / "e2e"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+#: The family matrix's module: its tests are grouped by kind (one scenario each), not by module.
+_BY_KIND = "tests/test_e2e_families.py"
+
+
+def _scope_of(nodeid: str) -> str:
+    """A test's group for the workers: its module, or in the family matrix its kind (the test's parameter)."""
+    module, _, rest = nodeid.partition("::")
+    if module == _BY_KIND and rest.endswith("]") and "[" in rest:
+        return "kind-" + rest[rest.index("[") + 1 : -1]
+    return module
+
+
+#: The longest modules, longest first (from ``--durations``): handed to the workers before the rest, so that
+#: neither worker is left with a long one at the end. Then the other end-to-end modules, then the fast ones.
+_LONGEST_FIRST = (
+    "test_e2e_vllm",
+    "test_e2e_fallbacks",
+    "test_e2e_multi_node",
+    "test_e2e_pipeline_parallel",
+    "test_e2e_serve",
+    "test_cli",
+    "test_e2e_real_size",
+    "test_demo",
+    "test_e2e_tensor_parallel",
+    "test_e2e_upgrade",
+    "test_validate",
+    "test_e2e_fleet",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order the workers take the modules in (``_LONGEST_FIRST``); a stable sort, so tests keep theirs."""
+
+    def rank(item) -> int:
+        module = item.module.__name__
+        if module in _LONGEST_FIRST:
+            return _LONGEST_FIRST.index(module)
+        return len(_LONGEST_FIRST) + (0 if item.get_closest_marker("e2e") else 1)
+
+    items.sort(key=rank)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with ``_scope_of`` for scopes (its own ``xdist_group`` marks do not reach the
+    scheduler under pytest 9, whose node ids they can no longer rewrite)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope_of(nodeid)
+
+    return _ByScope(config, log)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _has_avx512_or_amx() -> bool:
@@ -109,28 +190,36 @@ MATRIX_RESULTS_ENV = "TM_MATRIX_RESULTS"
 
 
 class Scenarios:
-    """Lazily runs and caches e2e scenarios for the whole session."""
+    """Lazily runs and caches e2e scenarios for the whole session, across pytest-xdist workers: a result is
+    kept as JSON in ``workdir`` and a scenario runs under a lock, so the second worker to ask waits for it."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
         self._cache: dict[tuple, dict] = {}
 
-    def e2e(self, kind: str, *flags: str) -> dict:
-        key = ("e2e", kind, flags)
+    def _run(self, key: tuple, script: str, args: list[str], marker: str) -> dict:
         if key not in self._cache:
-            self._cache[key] = run_script("scenarios/e2e.py", kind, str(self.workdir), *flags, marker="E2E_RESULT")
-            if not flags and os.environ.get(MATRIX_RESULTS_ENV):  # scripts/supported_models.py collects these
-                out = Path(os.environ[MATRIX_RESULTS_ENV]) / f"{kind}.json"
-                out.write_text(json.dumps(self._cache[key]))
+            name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+            stored = self.workdir / f"scenario-{name}.json"
+            with _locked(self.workdir / f"scenario-{name}.lock"):
+                if stored.exists():
+                    self._cache[key] = json.loads(stored.read_text())
+                else:
+                    self._cache[key] = run_script(script, *args, marker=marker)
+                    stored.write_text(json.dumps(self._cache[key]))
         return self._cache[key]
 
+    def e2e(self, kind: str, *flags: str) -> dict:
+        argv = [kind, str(self.workdir), *flags]
+        result = self._run(("e2e", kind, flags), "scenarios/e2e.py", argv, marker="E2E_RESULT")
+        if not flags and os.environ.get(MATRIX_RESULTS_ENV):  # scripts/supported_models.py collects these
+            out = Path(os.environ[MATRIX_RESULTS_ENV]) / f"{kind}.json"
+            out.write_text(json.dumps(result))
+        return result
+
     def baseline(self, kind: str, mode: str) -> dict:
-        key = ("baseline", kind, mode)
-        if key not in self._cache:
-            self._cache[key] = run_script(
-                "scenarios/baseline.py", kind, str(self.workdir), mode, marker="BASELINE_RESULT"
-            )
-        return self._cache[key]
+        argv = [kind, str(self.workdir), mode]
+        return self._run(("baseline", kind, mode), "scenarios/baseline.py", argv, marker="BASELINE_RESULT")
 
 
 @pytest.fixture(scope="session")

@@ -318,3 +318,28 @@ def test_fp8_block_kind_is_block_scaled_fp8_within_a_step_of_the_original(tmp_pa
         step = scale.repeat_interleave(128, 0).repeat_interleave(128, 1) * 2.0**-9
         assert bool(((deq - orig).abs() <= orig.abs() / 16 + step).all()), prefix
         assert (scale * tiny.FP8_E4M3_MAX).max() == pytest.approx(orig.abs().max().item(), rel=1e-6)
+
+
+def _build_in_child(out: str) -> str:
+    return str(tiny.build_tiny_model(out, "llama"))
+
+
+def test_processes_building_one_kind_at_once_get_one_complete_model_and_keep_other_files(tmp_path):
+    """Test workers build a kind at once: each build is renamed into place whole, so no process reads another's
+    half-written files; building into a directory that holds other files keeps them."""
+    import multiprocessing
+
+    out = tmp_path / "tiny-llama"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        built = pool.map(_build_in_child, [str(out)] * 2)
+    assert built == [str(out)] * 2
+    assert (out / ".tiny-model-complete").read_text() == "llama\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]  # no build left beside it
+    reference = load_file(out / "model.safetensors")
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    tiny.build_tiny_model(other, "llama")
+    assert (other / "notes.txt").read_text() == "keep me"
+    again = load_file(other / "model.safetensors")
+    assert reference.keys() == again.keys() and all(torch.equal(reference[k], again[k]) for k in reference)
