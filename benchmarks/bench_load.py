@@ -174,12 +174,7 @@ class _RssPhases:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            now = {}
-            with open("/proc/self/status") as f:
-                for line in f:
-                    key, _, value = line.partition(":")
-                    if key in ("VmRSS", "RssAnon", "RssFile"):
-                        now[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[key]] = int(value.split()[0]) // 1024
+            now = _rss_now_mb()
             peak = self.peaks.setdefault(self.phase, {"rss": 0, "anon": 0, "file": 0})
             for key, value in now.items():
                 peak[key] = max(peak[key], value)
@@ -232,6 +227,8 @@ def child(argv: list[str]) -> dict:
         save_checkpoint(argv[1], argv[2], dtype="bfloat16", portable=portable, fallbacks=fallbacks)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_by_phase_mb": phases.stop()}
+    if mode == "rebuild-save":  # an engine the default loader loaded saves itself (bench_rebuild.py)
+        return rebuild_save(argv[1], argv[2])
     if mode == "add-form":  # add this machine's form to the checkpoint in argv[1], timed
         from tensorizer_manifest.add_form import add_form
 
@@ -255,6 +252,48 @@ def child(argv: list[str]) -> dict:
         read_fresh(Path(argv[1]), 2)
         return {"path": READ_REFERENCE, "seconds": time.perf_counter() - start}
     return load(mode, argv[1], argv[2] if len(argv) > 2 else "")
+
+
+def _rss_now_mb() -> dict[str, int]:
+    now = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                now[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[key]] = int(value.split()[0]) // 1024
+    return now
+
+
+def rebuild_save(model_dir: str, out_dir: str) -> dict:
+    """vLLM's default loader loads the model with the worker extension, then the engine saves itself
+    (``save_tensorizer_manifest``: the rebuild); resident memory sampled through both, and just before the save."""
+    from vllm import LLM
+
+    from tensorizer_manifest import WORKER_EXTENSION
+    from tensorizer_manifest.checkpoint import load_manifest
+
+    phases = _RssPhases()
+    llm = LLM(model=model_dir, **ENGINE, kv_cache_memory_bytes=64 << 20, worker_extension_cls=WORKER_EXTENSION)
+    time.sleep(0.1)
+    before = _rss_now_mb()
+    phases.phase = "save"
+    start = time.perf_counter()
+    llm.collective_rpc("save_tensorizer_manifest", args=(out_dir,))
+    seconds = time.perf_counter() - start
+    peaks = phases.stop()
+    manifest, _ = load_manifest(out_dir)
+    layers = {m.path: sum(t.nbytes for t in m.tensors) for m in manifest.modules}
+    raw = {m.path: layers[m.path] for m in manifest.modules if m.state == "raw"}
+    return {
+        "seconds": seconds,
+        "rss_before_save_mb": before,
+        "rss_by_phase_mb": peaks,
+        "largest_layer_mb": max(layers.values()) / 2**20,
+        "largest_raw_layer_mb": max(raw.values(), default=0) / 2**20,
+        "model_mb": sum(layers.values()) / 2**20,
+        "raw_layers": len(raw),
+        "layers": len(layers),
+    }
 
 
 def load(path: str, model_dir: str, extra: str) -> dict:
