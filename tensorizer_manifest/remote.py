@@ -102,6 +102,10 @@ RETRY_TOTAL_S = 30.0
 #: answer with another ETag is refused, so a replaced object fails (HTTP 412) rather than being read as a
 #: mix of two versions. False: no version is kept, as before (the content hashes still catch a mix).
 CONDITIONAL_READS = True
+#: A presigned S3 URL is made once per object and reused for this long (tensorizer's are valid a day or
+#: more): making one builds a boto3 client, about 0.3 s on two busy cores, and the checks' ranged reads
+#: make one request per run of tensor headers.
+PRESIGNED_URL_REUSE_S = 3600.0
 
 _CHUNK = 1 << 20
 #: tensorizer's default endpoint (CoreWeave) when nothing names one, as ``stream_io`` does.
@@ -495,6 +499,8 @@ class RemoteFile:
     uri: str
     options: RemoteOptions = field(default_factory=RemoteOptions)
     _version: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _presigned: dict[str, tuple[str, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The presigned URL of its GETs (a secret: never shown) and when it was made, under ``"url"``."""
     """The S3 ETag of the version this object reads (its first HEAD's or GET's), under ``"etag"``."""
 
     def __post_init__(self) -> None:
@@ -644,15 +650,23 @@ class RemoteFile:
         headers = None
         url = self.uri
         if self.scheme == "s3":
-            kwargs = self._stream_kwargs()
-            # What open_stream does for s3:// (the same presigned URL), with If-Match added.
-            url = presign(self.uri, kwargs["s3_access_key_id"], kwargs["s3_secret_access_key"], kwargs["s3_endpoint"])
+            url = self._presigned_url(presign)
             etag = self.etag if CONDITIONAL_READS else None
             headers = {"If-Match": etag} if etag and not etag.startswith("W/") else None  # If-Match is strong
         stream = cls(url, begin=begin, end=end, headers=headers)
         stream.remote = self
         self._check_version(stream)
         return stream
+
+    def _presigned_url(self, presign: Callable[..., str]) -> str:
+        """What ``open_stream`` does for s3:// (tensorizer's presigned URL), made once per ``PRESIGNED_URL_REUSE_S``."""
+        cached = self._presigned.get("url")
+        if cached is not None and time.monotonic() - cached[1] < PRESIGNED_URL_REUSE_S:
+            return cached[0]
+        kwargs = self._stream_kwargs()
+        url = presign(self.uri, kwargs["s3_access_key_id"], kwargs["s3_secret_access_key"], kwargs["s3_endpoint"])
+        self._presigned["url"] = (url, time.monotonic())
+        return url
 
     def read_range(self, begin: int, end: int) -> Iterator[bytes]:
         """Bytes ``begin`` to ``end`` in chunks; a transfer cut short is a ``RemoteStorageError``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,35 +77,51 @@ class LayoutError(ValueError):
     """tensorizer's file header or index cannot be parsed within the bounds given."""
 
 
+#: Ranged requests of one pass in flight at once: each is latency (a request per run of tensor headers, hundreds
+#: on a large model), and what each holds is its spans' bytes and one transfer chunk.
+_CONCURRENT_REQUESTS = 8
+
+
 def _read_spans(path: Path | RemoteFile, spans: list[tuple[int, int]], size: int) -> Iterator[bytes]:
     """The bytes of each ``(begin, end)`` span, in order (sorted, disjoint, each small): what it holds at once is
-    one span (and, remotely, one transfer chunk). A span past the end of the file comes back short. Remotely,
-    spans share a ranged request when the data between them fits ``read_through_budget`` (of a ``size`` file)."""
+    one span (and, remotely, the spans of the requests in flight and one transfer chunk each). A span past the end
+    of the file comes back short. Remotely, spans share a ranged request when the data between them fits
+    ``read_through_budget`` (of a ``size`` file), and up to ``_CONCURRENT_REQUESTS`` requests run at once."""
     if not isinstance(path, RemoteFile):
         with open(path, "rb") as f:
             for begin, end in spans:
                 f.seek(begin)
                 yield f.read(max(0, end - begin))
         return
-    for group in request_groups(spans, read_through_budget(size)):
-        if group[-1][1] <= group[0][0]:  # nothing to read: read_range would yield no chunk
-            yield from (b"" for _ in group)
-            continue
-        pending = iter(group)
-        begin, end = next(pending)
-        piece, position = bytearray(), group[0][0]
-        for chunk in path.read_range(group[0][0], group[-1][1]):
-            chunk_end = position + len(chunk)
-            while True:
-                piece += chunk[max(begin - position, 0) : max(min(end, chunk_end) - position, 0)]
-                if end > chunk_end:
-                    break
-                yield bytes(piece)
-                piece.clear()
-                begin, end = next(pending, (chunk_end + 1, chunk_end + 1))
-                if begin > chunk_end:
-                    break
-            position = chunk_end
+    groups = request_groups(spans, read_through_budget(size))
+    if len(groups) == 1:
+        yield from _group_pieces(path, groups[0])
+        return
+    with ThreadPoolExecutor(min(_CONCURRENT_REQUESTS, len(groups)), thread_name_prefix="tm-headers") as pool:
+        for pieces in pool.map(lambda group: list(_group_pieces(path, group)), groups):
+            yield from pieces
+
+
+def _group_pieces(path: RemoteFile, group: list[tuple[int, int]]) -> Iterator[bytes]:
+    """Each span's bytes from one ranged request over the group (the data between them read and dropped)."""
+    if group[-1][1] <= group[0][0]:  # nothing to read: read_range would yield no chunk
+        yield from (b"" for _ in group)
+        return
+    pending = iter(group)
+    begin, end = next(pending)
+    piece, position = bytearray(), group[0][0]
+    for chunk in path.read_range(group[0][0], group[-1][1]):
+        chunk_end = position + len(chunk)
+        while True:
+            piece += chunk[max(begin - position, 0) : max(min(end, chunk_end) - position, 0)]
+            if end > chunk_end:
+                break
+            yield bytes(piece)
+            piece.clear()
+            begin, end = next(pending, (chunk_end + 1, chunk_end + 1))
+            if begin > chunk_end:
+                break
+        position = chunk_end
 
 
 def _read_chunks(path: Path | RemoteFile, begin: int, end: int) -> Iterator[bytes]:

@@ -125,6 +125,28 @@ def test_upload_order_and_s3_reads(moto_s3, checkpoint, tmp_path, monkeypatch):
     assert sorted(p.name for p in cache.iterdir()) == ["config.json", "tokenizer.json"]
 
 
+def test_an_objects_ranged_reads_share_one_presigned_url_until_it_is_old(moto_s3, checkpoint, monkeypatch):
+    """Making a presigned URL builds a boto3 client (tenths of a second): the checks' ranged reads of one object
+    make it once, and again only after ``PRESIGNED_URL_REUSE_S``; the bytes are right either way."""
+    from tensorizer import stream_io
+
+    from tensorizer_manifest import remote
+
+    uri, options = fresh_prefix(), options_for(moto_s3)
+    names = upload_checkpoint(checkpoint, uri, options)
+    made: list[str] = []
+    presign = stream_io._s3_download_url
+    monkeypatch.setattr(stream_io, "_s3_download_url", lambda *a, **k: made.append(a[0]) or presign(*a, **k))
+    tensors = RemoteDir(uri, options) / names[0]
+    expected = (checkpoint / names[0]).read_bytes()
+    for begin in (0, 1000, 2000):
+        assert b"".join(tensors.read_range(begin, begin + 500)) == expected[begin : begin + 500]
+    assert made == [str(tensors)]
+    monkeypatch.setattr(remote, "PRESIGNED_URL_REUSE_S", 0.0)
+    assert b"".join(tensors.read_range(10, 20)) == expected[10:20]
+    assert made == [str(tensors)] * 2
+
+
 def test_a_resave_to_the_same_prefix_leaves_no_stale_tensor_file(moto_s3, tmp_path):
     uri, options = fresh_prefix(), options_for(moto_s3)
     first = write_synthetic_checkpoint(tmp_path / "first", seed=1)
