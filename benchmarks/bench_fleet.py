@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/bench_fleet.py --size small --rounds 2
 
 The checkpoint is ``bench_load.py``'s ``mixed`` one for ``--size`` (built and saved there when missing),
-uploaded once to moto's S3 server on 127.0.0.1, which runs on the same cores as the engines. Each fleet is
+uploaded once to moto's S3 server on 127.0.0.1, which runs on the same cores as the engines (``--server
+http``: served by a plain HTTP server with ranges instead; moto reads a whole object for each ranged GET, about
+0.7 s for a 330 MB one here, so the checks' ranged reads cost it what they would not cost S3). Each fleet is
 ``helpers.fleet.run_fleet``: one process per engine, released together once each has imported vLLM, each
 loading with ``load_format="tensorizer_manifest"`` from s3:// (its own access key id) and answering the demo
 prompts. Figures per engine: ``load_model`` (reading, checking and restoring the weights, replay included)
@@ -17,6 +19,7 @@ assertions. Writes ``--out`` (JSON) and, with matplotlib, ``--plot`` (PNG).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -81,7 +84,7 @@ def plot(summary: dict, title: str, path: Path) -> None:
         high = [summary[str(n)][key]["max"] - m for m, n in zip(med, FLEETS, strict=True)]
         ax.errorbar(FLEETS, med, yerr=[low, high], marker="o", capsize=4, label=label, color=color)
     ax.set_xticks(FLEETS)
-    ax.set_xlabel("engines loading one S3 checkpoint at once")
+    ax.set_xlabel("engines loading one checkpoint at once")
     ax.set_ylabel("seconds (median, min-max)")
     ax.set_title(title, fontsize=9)
     ax.set_ylim(bottom=0)
@@ -96,6 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="large", choices=("small", "medium", "large"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--server", default="s3", choices=("s3", "http"), help="moto's S3 server, or a plain HTTP server with ranges"
+    )
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "fleet.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "fleet.png")
@@ -104,7 +110,7 @@ def main() -> None:
     import bench_load
     import torch
     from helpers.fleet import Engine, engine_key_id, run_fleet
-    from helpers.servers import BUCKET, MotoS3
+    from helpers.servers import BUCKET, MotoS3, RangeHTTPServer
 
     from tensorizer_manifest.remote import RemoteOptions, upload_checkpoint
 
@@ -118,12 +124,17 @@ def main() -> None:
     checkpoint = Path(bench_load.prepare(args.work, args.size)["mixed"])
     tensor_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.tensors"))
     runs = []
-    with MotoS3() as s3:
-        uri = f"s3://{BUCKET}/fleet-bench-{args.size}"
-        upload_checkpoint(checkpoint, uri, RemoteOptions(s3.key_id, s3.secret, s3.endpoint))
+    with contextlib.ExitStack() as stack:
+        if args.server == "s3":
+            s3 = stack.enter_context(MotoS3())
+            uri, endpoint = f"s3://{BUCKET}/fleet-bench-{args.size}", s3.endpoint
+            upload_checkpoint(checkpoint, uri, RemoteOptions(s3.key_id, s3.secret, s3.endpoint))
+        else:
+            server = stack.enter_context(RangeHTTPServer(checkpoint.parent))
+            uri, endpoint = f"{server.url}/{checkpoint.name}", server.url
         for round_ in range(args.rounds):
             for n in FLEETS if round_ % 2 == 0 else FLEETS[::-1]:  # alternate the order between rounds
-                engines = [Engine(s3.endpoint, engine_key_id(i)) for i in range(n)]
+                engines = [Engine(endpoint, engine_key_id(i)) for i in range(n)]
                 results = run_fleet(uri, engines, SECRET, args.work / f"fleet-{uuid.uuid4().hex[:6]}", timeout=1800)
                 failed = [r for r in results if not r.get("engine_started")]
                 for r in failed:
@@ -139,7 +150,8 @@ def main() -> None:
                 runs.append(run)
                 print(f"round {round_} engines {n}: load_model {[round(s, 2) for s in run['load_model']]}")
     summary = summarise(runs)
-    print(f"\n{args.size} mixed checkpoint, {tensor_bytes / 1e9:.2f} GB of tensors, from moto S3 on 127.0.0.1:")
+    where = "moto's S3 server" if args.server == "s3" else "a plain HTTP server (ranges)"
+    print(f"\n{args.size} mixed checkpoint, {tensor_bytes / 1e9:.2f} GB of tensors, from {where} on 127.0.0.1:")
     for n in FLEETS:
         s = summary[str(n)]
         print(
@@ -149,13 +161,20 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"machine": machine, "size": args.size, "tensor_bytes": tensor_bytes, "summary": summary, "runs": runs},
+            {
+                "machine": machine,
+                "size": args.size,
+                "server": args.server,
+                "tensor_bytes": tensor_bytes,
+                "summary": summary,
+                "runs": runs,
+            },
             indent=1,
         )
         + "\n"
     )
     print(f"results: {args.out}")
-    title = f"{args.size} checkpoint ({tensor_bytes / 1e9:.2f} GB) from one S3 bucket, {machine['cores']} cores"
+    title = f"{args.size} checkpoint ({tensor_bytes / 1e9:.2f} GB), one {args.server} server, {machine['cores']} cores"
     plot(summary, title, args.plot)
 
 

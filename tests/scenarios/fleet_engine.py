@@ -1,7 +1,7 @@
 """One engine of a fleet: loads a checkpoint from S3 with load_format="tensorizer_manifest" and answers the
 demo prompts, in its own process; prints a JSON result on the last line.
 
-Usage: python tests/scenarios/fleet_engine.py URI CACHE_DIR
+Usage: python tests/scenarios/fleet_engine.py URI CACHE_DIR   (URI: s3://, or http:// with no credentials)
 with TM_FLEET_ENDPOINT, TM_FLEET_KEY_ID and TM_FLEET_SECRET naming the S3 server and this engine's
 credentials (the fleet tests and ``benchmarks/bench_fleet.py`` give each engine its own access key id, so
 the proxy in front of the server tells them apart), and TM_FLEET_GATE, a directory: with vLLM imported, the
@@ -29,13 +29,13 @@ def main() -> None:
     secret = os.environ["TM_FLEET_SECRET"]
 
     from helpers.errors import error_chain, error_summary
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     from tensorizer_manifest.demo import generate_tokens
     from tensorizer_manifest.remote import RemoteOptions, fetch_model_files
+    from tensorizer_manifest.vllm_integration import ManifestModelLoader
 
     seconds: list[float] = []
-    original = BaseModelLoader.load_model
+    original = ManifestModelLoader.load_model
 
     def timed(self, *args, **kwargs):
         started = time.perf_counter()
@@ -44,19 +44,22 @@ def main() -> None:
         finally:
             seconds.append(time.perf_counter() - started)
 
-    BaseModelLoader.load_model = timed
+    ManifestModelLoader.load_model = timed
     gate = Path(os.environ["TM_FLEET_GATE"])
     (gate / key_id).write_text("ready")
     while not (gate / "go").exists():  # the fleet's engines start together from here
         time.sleep(0.05)
     result: dict = {"key_id": key_id}
-    extra = {"checkpoint_dir": uri, "s3_access_key_id": key_id, "s3_secret_access_key": secret, "s3_endpoint": endpoint}
+    s3 = uri.startswith("s3://")
+    extra = {"checkpoint_dir": uri}
+    if s3:
+        extra.update(s3_access_key_id=key_id, s3_secret_access_key=secret, s3_endpoint=endpoint)
     if os.environ.get("TM_FLEET_NUM_READERS"):
         extra["num_readers"] = int(os.environ["TM_FLEET_NUM_READERS"])
     report: dict = {}
     started = time.perf_counter()
     try:
-        model_dir = fetch_model_files(uri, cache_dir, RemoteOptions(key_id, secret, endpoint))
+        model_dir = fetch_model_files(uri, cache_dir, RemoteOptions(key_id, secret, endpoint) if s3 else None)
         result["tokens"], _, _ = generate_tokens(model_dir, "tensorizer_manifest", report=report, loader_config=extra)
         result["engine_started"] = True
     except Exception as exc:  # what vLLM lets through
