@@ -499,9 +499,9 @@ class RemoteFile:
     uri: str
     options: RemoteOptions = field(default_factory=RemoteOptions)
     _version: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The S3 ETag of the version this object reads (its first HEAD's or GET's), under ``"etag"``."""
     _presigned: dict[str, tuple[str, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The presigned URL of its GETs (a secret: never shown) and when it was made, under ``"url"``."""
-    """The S3 ETag of the version this object reads (its first HEAD's or GET's), under ``"etag"``."""
 
     def __post_init__(self) -> None:
         _check_uri(self.uri)

@@ -29,7 +29,7 @@ from .schema import EncryptionKey
 
 #: Bytes read at a time when hashing the non-data parts of a tensor file.
 _CHUNK = 1 << 20
-#: Remote head hashing reads through tensor data shorter than this rather than make another request.
+#: Remote checks read through tensor data shorter than this rather than make another request (within a budget).
 _REMOTE_MERGE = 4 << 20
 #: The least tensor data a remote check may read through in all (``read_through_budget``).
 _READ_THROUGH_MIN = 1 << 20
