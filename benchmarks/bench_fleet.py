@@ -23,10 +23,11 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import sys
 import uuid
 from pathlib import Path
+
+from bench_load import spread  # this folder is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: moto's server and the fleet runner
@@ -34,10 +35,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_load: the models and their
 
 FLEETS = (1, 2, 4)
 SECRET = "bench-fleet-secret"
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def fmt(s: dict, unit: str = "s") -> str:

@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
+from bench_load import spread  # this folder is on sys.path when a script here runs
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def fmt(s: dict, unit: str = "MB") -> str:
