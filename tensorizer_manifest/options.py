@@ -65,6 +65,21 @@ TENSORIZER_CONFIG_UNUSED = {
 }
 
 
+def tensorizer_config_options(config: Any) -> dict[str, Any]:
+    """A vLLM ``TensorizerConfig`` object as the dict its user would have written.
+
+    Its ``__post_init__`` turns ``tensorizer_dir=D`` into ``tensorizer_uri=D/model.tensors`` (stock vLLM's
+    file name, which names no file of a manifest checkpoint), and ``to_serializable`` then drops the directory:
+    the directory is what was meant, and is kept instead.
+    """
+    options = config.to_serializable()
+    directory = getattr(config, "tensorizer_dir", None)
+    if directory and options.get("tensorizer_uri") == f"{directory}/model.tensors":
+        del options["tensorizer_uri"]
+        options["tensorizer_dir"] = directory
+    return options
+
+
 def from_tensorizer_config_names(extra_config: dict[str, Any], load_format: str) -> dict[str, Any]:
     """``model_loader_extra_config`` with vLLM's ``TensorizerConfig`` names turned into this package's.
 

@@ -38,7 +38,7 @@ from .errors import ConfigurationError, NoManifestError, TensorizerManifestError
 from .fingerprint import check_compatible, engine_fingerprint
 from .forms import choose_forms
 from .load import check_model, restore_tensors
-from .options import S3Options, describe_validation_error, from_tensorizer_config_names
+from .options import S3Options, describe_validation_error, from_tensorizer_config_names, tensorizer_config_options
 from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
@@ -144,7 +144,7 @@ class LoadOptions(S3Options):
     def from_load_config(cls, load_config: Any) -> LoadOptions:
         extra = getattr(load_config, "model_loader_extra_config", None) or {}
         if hasattr(extra, "to_serializable"):  # a vLLM TensorizerConfig given as it is
-            extra = extra.to_serializable()
+            extra = tensorizer_config_options(extra)
         raw = from_tensorizer_config_names(dict(extra), LOAD_FORMAT)
         try:
             return cls(**raw)
@@ -257,6 +257,7 @@ class ManifestModelLoader(BaseModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
+        fingerprint = engine_fingerprint(vllm_config)  # first: a vLLM it cannot describe is refused before any read
         checkpoint, named_file = options.checkpoint_location(model_config.model)
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
@@ -284,7 +285,6 @@ class ManifestModelLoader(BaseModelLoader):
             unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
             if unsealed:
                 logger.warning("%s: %s", manifest_path, unsealed)
-            fingerprint = engine_fingerprint(vllm_config)
             check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
             clock.lap("check_files")
             model, summary = self._restore_and_replay(

@@ -100,6 +100,11 @@ def test_vllm_tensorizer_config_names_mean_the_same():
     LoadConfig.model_loader_extra_config = TensorizerConfig(tensorizer_uri="/ckpt/model.0123456789abcdef.tensors")
     options = LoadOptions.from_load_config(LoadConfig())
     assert options.checkpoint_location("model-id") == ("/ckpt", "model.0123456789abcdef.tensors")
+    # made with tensorizer_dir, as docs/migrating.md shows (vLLM derives a stock file name from it)
+    LoadConfig.model_loader_extra_config = TensorizerConfig(tensorizer_dir="/ckpt/dir", verify_hash=True)
+    options = LoadOptions.from_load_config(LoadConfig())
+    assert options.checkpoint_location("model-id") == ("/ckpt/dir", None)
+    assert options.verify_hashes is True
     LoadConfig.model_loader_extra_config = {"tensorizer_uri": "s3://b/p/model-rank-%03d.tensors"}
     assert LoadOptions.from_load_config(LoadConfig()).checkpoint_location("m") == ("s3://b/p", None)
     LoadConfig.model_loader_extra_config = {}
