@@ -35,6 +35,7 @@ from .errors import (
     ReplayError,
     TensorizerManifestError,
     UnsupportedModelError,
+    UnsupportedVLLMError,
 )
 from .remote import RemoteOptions, fetch_model_files, upload_checkpoint
 from .schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
@@ -108,6 +109,7 @@ __all__ = [
     "IntegrityError",
     "CompatibilityError",
     "UnsupportedModelError",
+    "UnsupportedVLLMError",
     "NotReproducibleError",
     "ReplayError",
     "RemoteStorageError",

@@ -11,40 +11,44 @@ ranks, the model class), so that each is written once.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UnsupportedVLLMError
 from .schema import qualified_class
 
-#: (module, attribute) of every private vLLM name used below.
-PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
-    ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
-    ("vllm._custom_ops", "_supports_onednn"),
-    ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config"),
-    ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading"),
-    ("vllm.model_executor.model_loader.default_loader", "safetensors_weights_iterator"),
-    ("vllm.model_executor.model_loader.weight_utils", "should_skip_weight"),
-    ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint"),
-    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel"),
-    ("torch.cpu", "_is_amx_tile_supported"),
-    ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args"),
-    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO"),
-    ("vllm.model_executor.model_loader.reload.meta", "get_numel_loaded"),
-    ("vllm.model_executor.model_loader.reload.meta", "to_meta_tensor"),
-    ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor"),
-    ("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS"),
-    ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs"),
-    ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales"),
-)
+#: (module, attribute, parameters) of every private vLLM name used below: a callable's parameters are the
+#: names this package passes it, which its signature must still have (a keyword renamed or dropped by a vLLM
+#: release is as fatal as the name gone).
+PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", ()),
+    ("vllm._custom_ops", "_supports_onednn", ()),
+    ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config",
+     ("quant_config", "runtime_quant_config")),
+    ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
+     ("model", "model_config", "target_device")),
+    ("vllm.model_executor.model_loader.default_loader", "safetensors_weights_iterator", ()),
+    ("vllm.model_executor.model_loader.weight_utils", "should_skip_weight", ()),
+    ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint", ()),
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
+     ("self", "layer")),
+    ("torch.cpu", "_is_amx_tile_supported", ()),
+    ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args", ()),
+    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", ()),
+    ("vllm.model_executor.model_loader.reload.meta", "get_numel_loaded", ()),
+    ("vllm.model_executor.model_loader.reload.meta", "to_meta_tensor", ()),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor", ()),
+    ("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS", ()),
+    ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs", ()),
+    ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", ()),
+)  # fmt: skip
 _MISSING = object()
 
-#: Supported vLLM releases (also in README.md).
-SUPPORTED_VLLM = ">=0.32,<0.34"
+#: The vLLM releases a test ran (also in README.md). Others are not refused as such: a private name gone or
+#: changed is (``private``), where it is used.
+SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
 def vllm_version() -> str:
@@ -53,28 +57,50 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
-def missing_private_names() -> list[str]:
-    """The private names above that this vLLM lacks (empty when all are there)."""
+def _problem(module_name: str, attr: str, parameters: tuple[str, ...]) -> tuple[Any, str | None]:
+    """The private name and None, or ``_MISSING`` and what is wrong with it in this vLLM."""
     import importlib
+    import inspect
 
-    missing = []
-    for module_name, attr in PRIVATE_NAMES:
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError:
+        return _MISSING, f"{module_name} (module)"
+    for part in attr.split("."):
+        target = getattr(target, part, _MISSING)
+        if target is _MISSING:
+            return _MISSING, f"{module_name}.{attr}"
+    if parameters:
         try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(f"{module_name} (module)")
-            continue
-        target: Any = module
-        for part in attr.split("."):
-            target = getattr(target, part, _MISSING)
-            if target is _MISSING:
-                missing.append(f"{module_name}.{attr}")
-                break
-    return missing
+            signature = set(inspect.signature(target).parameters)
+        except (TypeError, ValueError):
+            return _MISSING, f"{module_name}.{attr} (no signature to check)"
+        lacking = [name for name in parameters if name not in signature]
+        if lacking:
+            return _MISSING, f"{module_name}.{attr} (takes no {', '.join(lacking)})"
+    return target, None
 
 
-def _gone(what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(
+def missing_private_names() -> list[str]:
+    """The private names above that this vLLM lacks or calls otherwise (empty when all are there)."""
+    return [problem for entry in PRIVATE_NAMES if (problem := _problem(*entry)[1]) is not None]
+
+
+def private(module_name: str, attr: str) -> Any:
+    """One of ``PRIVATE_NAMES``, checked (its signature too): ``UnsupportedVLLMError`` when this vLLM lacks it
+    or calls it otherwise."""
+    parameters = next(p for m, a, p in PRIVATE_NAMES if (m, a) == (module_name, attr))
+    target, problem = _problem(module_name, attr, parameters)
+    if problem is not None:
+        raise UnsupportedVLLMError(
+            f"vLLM {vllm_version()} has no {problem}, which tensorizer-manifest calls; use a vLLM it was tested "
+            f"with ({SUPPORTED_VLLM}) or upgrade tensorizer-manifest"
+        )
+    return target
+
+
+def _gone(what: str) -> UnsupportedVLLMError:
+    return UnsupportedVLLMError(
         f"vLLM {vllm_version()} has no {what}, which tensorizer-manifest relies on; "
         f"use a supported vLLM ({SUPPORTED_VLLM}) or upgrade tensorizer-manifest"
     )
@@ -312,12 +338,8 @@ def quant_config_hash(model_config: Any) -> str | None:
     quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
     if quant_cfg is None and model_config.quantization is None:
         return None
-    try:
-        from vllm.model_executor.model_loader.weight_cache.protocol import _hash_quant_config
-    except ImportError:  # older vLLM: a hash of our own over the same config
-        blob = json.dumps(quant_cfg, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()
-    return _hash_quant_config(quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config)
+    hash_quant_config = private("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config")
+    return hash_quant_config(quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config)
 
 
 def parallel_ranks() -> tuple[int, int]:

@@ -10,6 +10,7 @@
     ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
     ├── NotReproducibleError (ValueError)      a running engine's state is not its source's: not saved
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
+    │   └── UnsupportedVLLMError                this vLLM lacks or changed a private name we call
     ├── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
     └── RemoteStorageError (OSError)           s3:// or http(s):// storage failed; a transfer cut short
         ├── RemoteNotFoundError (CheckpointNotFoundError too)   no object at that URI
@@ -83,6 +84,12 @@ class UnsupportedModelError(TensorizerManifestError, NotImplementedError):
     """The model does something at load time that the manifest cannot describe."""
 
 
+class UnsupportedVLLMError(UnsupportedModelError):
+    """This vLLM lacks a private name tensorizer-manifest calls, or calls it another way (its signature
+    changed): raised before anything is read or written, naming the vLLM version, the name and the supported
+    range."""
+
+
 class ReplayError(TensorizerManifestError, RuntimeError):
     """Rebuilding a layer's runtime state failed, or left it incomplete."""
 
@@ -125,6 +132,7 @@ __all__ = [
     "CompatibilityError",
     "NotReproducibleError",
     "UnsupportedModelError",
+    "UnsupportedVLLMError",
     "ReplayError",
     "RemoteStorageError",
     "RemoteNotFoundError",

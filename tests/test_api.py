@@ -20,7 +20,7 @@ def test_public_api_is_what_was_meant():
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
         "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError",
-        "ReplayError", "NotReproducibleError",
+        "ReplayError", "NotReproducibleError", "UnsupportedVLLMError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
         "RemoteThrottledError", "RemoteChangedError",
@@ -45,6 +45,7 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(tm.NoManifestError, tm.CheckpointNotFoundError)
     assert issubclass(tm.NotReproducibleError, tm.TensorizerManifestError)
+    assert issubclass(tm.UnsupportedVLLMError, tm.UnsupportedModelError)
     assert issubclass(tm.ConfigurationError, ValueError)
     assert issubclass(tm.ReplayError, RuntimeError)
     assert issubclass(tm.RemoteStorageError, OSError)

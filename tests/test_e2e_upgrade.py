@@ -69,3 +69,29 @@ def test_a_checkpoint_saved_by_the_previous_vllm_loads_token_exact_through_its_f
     steps = {k: n for k, n in result["post_load_counts"].items() if k.split(":", 1)[1] in with_fallback}
     assert steps == {f"quant_method:{p}": 1 for p in with_fallback}
     assert result["tokens"] == saved_here["reference_tokens"]
+
+
+def test_a_quantized_model_is_refused_by_the_previous_vllm_with_a_typed_error_naming_what_changed(
+    older_vllm_python, scenarios, e2e_dir
+):
+    """vLLM 0.31's ``_hash_quant_config`` takes no ``runtime_quant_config`` (0.32 added it): a quantized model is
+    refused there, saving and loading alike, with ``UnsupportedVLLMError`` before a byte is written or read."""
+    saved_here = scenarios.e2e("w8a8-int8")  # a checkpoint this vLLM saved, and its model
+    model_dir = Path(saved_here["checkpoint"]).parent / "tiny-w8a8-int8"
+    out = Path(e2e_dir) / "w8a8-int8-saved-by-vllm-0.31"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    calls = {
+        "save": "from tensorizer_manifest.save import save_checkpoint; "
+        "save_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16')",
+        "load": "from tensorizer_manifest.demo import generate_tokens; "
+        "generate_tokens(sys.argv[3], 'tensorizer_manifest')",
+    }
+    for what, code in calls.items():
+        run = subprocess.run(
+            [str(older_vllm_python), "-c", "import sys; " + code, str(model_dir), str(out), saved_here["checkpoint"]],
+            capture_output=True, text=True, timeout=900, env=env,
+        )  # fmt: skip
+        assert run.returncode != 0, f"{what}: vLLM {OLDER_VLLM} was not refused"
+        assert f"UnsupportedVLLMError: vLLM {OLDER_VLLM} has no " in run.stderr, run.stderr[-4000:]
+        assert "_hash_quant_config (takes no runtime_quant_config)" in run.stderr
+    assert not list(out.glob("*.manifest.json")) and not list(out.glob("*.tensors"))  # nothing written

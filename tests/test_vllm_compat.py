@@ -27,13 +27,36 @@ def test_observe_post_load_calls_the_observer_and_puts_the_step_back():
 
 
 def test_a_missing_name_is_reported_with_the_vllm_version(monkeypatch):
-    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", (*_vllm_compat.PRIVATE_NAMES, ("vllm", "_no_such_name")))
+    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", (*_vllm_compat.PRIVATE_NAMES, ("vllm", "_no_such_name", ())))
     assert _vllm_compat.missing_private_names() == ["vllm._no_such_name"]
     from vllm import _custom_ops
 
     monkeypatch.delattr(_custom_ops, "_supports_onednn")
     with pytest.raises(Exception, match=f"vLLM {_vllm_compat.vllm_version()} has no"):
         _vllm_compat.disable_onednn()
+
+
+def test_a_private_function_whose_signature_changed_is_a_typed_error_before_it_is_called(monkeypatch):
+    """vLLM 0.31's ``_hash_quant_config`` takes no ``runtime_quant_config``: a TypeError deep in a save, once."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader.weight_cache import protocol
+
+    from tensorizer_manifest.errors import UnsupportedVLLMError
+
+    calls = []
+    monkeypatch.setattr(protocol, "_hash_quant_config", lambda quant_config: calls.append(quant_config))
+    name = "vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config"
+    assert _vllm_compat.missing_private_names() == [f"{name} (takes no runtime_quant_config)"]
+    quantized = SimpleNamespace(hf_config=SimpleNamespace(quantization_config={"quant_method": "x"}))
+    with pytest.raises(UnsupportedVLLMError) as raised:
+        _vllm_compat.quant_config_hash(quantized)
+    message = str(raised.value)
+    assert f"vLLM {_vllm_compat.vllm_version()} " in message and name in message
+    assert _vllm_compat.SUPPORTED_VLLM in message
+    assert calls == []  # refused before the call
+    unquantized = SimpleNamespace(hf_config=SimpleNamespace(), quantization=None)
+    assert _vllm_compat.quant_config_hash(unquantized) is None  # a model that never calls it is not refused
 
 
 def test_engine_facts_outside_an_engine():
