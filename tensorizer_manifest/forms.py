@@ -17,6 +17,7 @@ processed layer that does not fit and has no fallback stays as it is, and
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -49,6 +50,8 @@ class FormChoice:
     added: dict[str, int] = field(default_factory=dict)
     """Layers that load a form another engine added, and which one (its index in ``manifest.added_forms``):
     their tensors are in that form's tensor file."""
+    skipped_forms: dict[int, str] = field(default_factory=dict)
+    """Added forms this loader cannot use (``validate.CheckedFiles.skipped``), by index: why."""
 
     def to_dict(self) -> dict:
         """For the load report: how many layers load in each form, and why each fallback was taken."""
@@ -59,6 +62,7 @@ class FormChoice:
             "fallback": len(self.fallbacks),
             "fallback_reasons": dict(Counter(f.reason for f in self.fallbacks)),
             "fallback_layers": [f.path for f in self.fallbacks],
+            "skipped_forms": {str(index): reason for index, reason in sorted(self.skipped_forms.items())},
         }
 
 
@@ -121,9 +125,15 @@ def as_raw(record: ModuleRecord) -> ModuleRecord:
     )
 
 
-def choose_forms(manifest: Manifest, model: torch.nn.Module, current: Fingerprint) -> FormChoice:
+def choose_forms(
+    manifest: Manifest,
+    model: torch.nn.Module,
+    current: Fingerprint,
+    usable: Callable[[int], bool] = lambda index: True,
+) -> FormChoice:
     """Each layer with a fallback: its saved processed form where that fits here, else the first added form
-    that fits (``add-form``), else its fallback (``why_not_processed`` decides each)."""
+    that fits (``add-form``) and that ``usable`` can read, else its fallback (``why_not_processed`` decides
+    each). ``usable`` is asked only about a form that fits, so only the forms chosen are ever opened."""
     if not any(m.fallback for m in manifest.modules):
         return FormChoice(manifest)
     built = dict(model.named_modules())
@@ -144,13 +154,14 @@ def choose_forms(manifest: Manifest, model: torch.nn.Module, current: Fingerprin
             continue
         for index, form in enumerate(manifest.added_forms):
             other = added_by_path[index].get(record.path)
-            if other is not None and why_not_processed(other, module, form.fingerprint, current) is None:
+            fits = other is not None and why_not_processed(other, module, form.fingerprint, current) is None
+            if fits and usable(index):
                 added[record.path] = index
                 modules.append(msgspec.structs.replace(other, fallback=[]))
                 break
         else:
             tried = sum(record.path in forms for forms in added_by_path)
-            also = f" (and {tried} added form(s) do not fit either)" if tried else ""
+            also = f" (and {tried} added form(s) do not fit here or cannot be read)" if tried else ""
             fallbacks.append(Fallback(record.path, reason + also))
             modules.append(as_raw(record))
     effective = msgspec.structs.replace(manifest, modules=modules)

@@ -24,7 +24,7 @@ prefix and headers with ranged reads, its content hashes as it streams.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -72,8 +72,16 @@ def check_files(
     The loader uses ``open_checked``, the same checks with the file left open. Added forms' tensor files
     are checked as the main one is.
     """
-    files = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
-    problems = [p for ref, tensor_path, by_key in files for p in check_tensor_file(ref, tensor_path, by_key)]
+    by_key, form_problems, forms_by_key = _check_manifest_for_loading(
+        manifest, manifest_path, signing_key, encryption_key
+    )
+    ValidationReport(
+        manifest_path, None, problems=tuple(p for found in form_problems for p in found)
+    ).raise_for_problems()
+    forms = zip((form.tensor_file for form in manifest.added_forms), forms_by_key, strict=True)
+    refs = [(manifest.tensor_file, by_key), *forms]
+    files = [(ref, resolve_tensor_file(manifest, manifest_path, ref), keys) for ref, keys in refs]
+    problems = [p for ref, tensor_path, keys in files for p in check_tensor_file(ref, tensor_path, keys)]
     ValidationReport(manifest_path, files[0][1], problems=tuple(problems)).raise_for_problems()
     return files[0][1]
 
@@ -93,12 +101,55 @@ def open_checked(
     The prefix hash vouches for tensorizer's header and index with plain reads
     before tensorizer opens the file; the index the reader then parsed is
     checked as ``check_files`` checks it. Nothing is read from the tensor data.
-    ``open_checked_forms`` opens the added forms' files too.
+    ``open_checked_forms`` gives the added forms' files too.
     """
     with open_checked_forms(
         manifest, manifest_path, signing_key, encryption_key, device=device, num_readers=num_readers
-    ) as readers:
-        yield readers[0]
+    ) as files:
+        yield files.main
+
+
+class CheckedFiles:
+    """A loader's tensor files: the main one, checked and open; each added form's, checked and opened only when
+    a layer first chooses that form (``usable``).
+
+    A form is an optimisation, never a single point of failure: one this loader cannot use (a record or
+    restorer this version does not know, a file missing, damaged or unreachable) is skipped, with its reason in
+    ``skipped``, and its layers take their next choice (``forms.choose_forms``)."""
+
+    def __init__(
+        self,
+        main: TensorFileReader,
+        open_form: Callable[[int], TensorFileReader],
+        form_problems: list[list[Problem]],
+    ):
+        self.main = main
+        self._open_form = open_form
+        self._readers: dict[int, TensorFileReader] = {}
+        self.skipped: dict[int, str] = {
+            index: "; ".join(p.message for p in problems) for index, problems in enumerate(form_problems) if problems
+        }
+
+    def usable(self, index: int) -> bool:
+        """Whether added form ``index`` can be read: opened and checked here, the first time it is asked."""
+        if index in self.skipped:
+            return False
+        if index not in self._readers:
+            try:
+                self._readers[index] = self._open_form(index)
+            except (TensorizerManifestError, OSError) as exc:
+                self.skipped[index] = f"{type(exc).__name__}: {exc}"
+                return False
+        return True
+
+    def form(self, index: int) -> TensorFileReader:
+        """Added form ``index``'s reader (``usable`` said it is)."""
+        return self._readers[index]
+
+    def close(self) -> None:
+        """Close every file (closing again, on the way out, is harmless)."""
+        for reader in (self.main, *self._readers.values()):
+            reader.close()
 
 
 @contextmanager
@@ -110,14 +161,25 @@ def open_checked_forms(
     *,
     device: str = "cpu",
     num_readers: int | None = None,
-) -> Iterator[list[TensorFileReader]]:
-    """``open_checked`` for the main tensor file and each added form's (in ``manifest.added_forms`` order)."""
-    files = _check_manifest_for_loading(manifest, manifest_path, signing_key, encryption_key)
+) -> Iterator[CheckedFiles]:
+    """``open_checked`` for the main tensor file, and the added forms' files ready to be opened as chosen."""
+    by_key, form_problems, forms_by_key = _check_manifest_for_loading(
+        manifest, manifest_path, signing_key, encryption_key
+    )
+
+    def open_one(ref: TensorFileRef, records: dict[str, TensorRecord]) -> TensorFileReader:
+        location = resolve_tensor_file(manifest, manifest_path, ref)
+        return stack.enter_context(
+            _open_one(manifest_path, ref, location, records, encryption_key, device, num_readers)
+        )
+
     with ExitStack() as stack:
-        yield [
-            stack.enter_context(_open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, num_readers))
-            for ref, tensor_path, by_key in files
-        ]
+        main = open_one(manifest.tensor_file, by_key)
+
+        def open_form(index: int) -> TensorFileReader:
+            return open_one(manifest.added_forms[index].tensor_file, forms_by_key[index])
+
+        yield CheckedFiles(main, open_form, form_problems)
 
 
 @contextmanager
@@ -147,20 +209,16 @@ def _check_manifest_for_loading(
     manifest_path: FileLocation,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
-) -> list[tuple[TensorFileRef, FileLocation, dict[str, TensorRecord]]]:
-    """The manifest's own checks and its keys, raised; then, for its tensor file and each added form's,
-    the file's entry, where it is, and its stored records by key."""
+) -> tuple[dict[str, TensorRecord], list[list[Problem]], list[dict[str, TensorRecord]]]:
+    """The manifest's own checks and its keys, raised; returns its stored records by key, and each added form's
+    problems (left to the caller: a loader skips such a form) and stored records by key."""
     problems, by_key = check_manifest(manifest, manifest_path, signing_key, encryption_key)
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
-    problems += form_problems
     keys = check_encryption(manifest, encryption_key)
     if keys is not None:
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
     ValidationReport(manifest_path, None, problems=tuple(problems)).raise_for_problems()
-    files = [(manifest.tensor_file, resolve_tensor_file(manifest, manifest_path), by_key)]
-    for form, form_by_key in zip(manifest.added_forms, forms_by_key, strict=True):
-        files.append((form.tensor_file, resolve_tensor_file(manifest, manifest_path, form.tensor_file), form_by_key))
-    return files
+    return by_key, form_problems, forms_by_key
 
 
 def validate_checkpoint(
@@ -195,7 +253,7 @@ def validate_checkpoint(
         manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
     )
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
-    problems += form_problems
+    problems += [p for found in form_problems for p in found]
     keys = check_encryption(manifest, encryption_key)
     if keys is not None and keys[0] is not ConfigurationError:  # a missing key is a warning here
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -299,7 +300,7 @@ class ManifestModelLoader(BaseModelLoader):
         self, vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
     ):
         """Build the model, choose each layer's form and check the model against them, then read, restore and
-        replay; returns the model and its report. ``readers``: the main tensor file's, then each added form's."""
+        replay; returns the model and its report. ``readers``: the tensor files (``validate.CheckedFiles``)."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -307,7 +308,11 @@ class ManifestModelLoader(BaseModelLoader):
             with target_device:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             clock.lap("build_model")
-            forms = choose_forms(manifest, model, fingerprint)
+            forms = choose_forms(manifest, model, fingerprint, readers.usable)
+            forms = dataclasses.replace(forms, skipped_forms=dict(readers.skipped))
+            for index, reason in sorted(forms.skipped_forms.items()):
+                logger.warning("added form %d (%s) is skipped, its layers load their next choice: %s",
+                               index, manifest.added_forms[index].tensor_file.path, reason)  # fmt: skip
             manifest = forms.manifest  # one form a layer from here on: the reader skips the other's bytes
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
@@ -330,19 +335,18 @@ class ManifestModelLoader(BaseModelLoader):
                     recorder.layer_ready(record.path, module)
                     replayer.layer_ready(record, module, check_hashes)
 
-            sources = {path: readers[1 + index] for path, index in forms.added.items()}
+            sources = {path: readers.form(index) for path, index in forms.added.items()}
             with terminal_progress("loading", enabled=options.progress and _first_rank()) as progress:
                 nbytes = restore_tensors(
                     model,
                     manifest,
-                    readers[0],
+                    readers.main,
                     verify_hashes=options.verify_hashes,
                     on_layer=on_layer,
                     progress=progress,
                     sources=sources,
                 )
-            for reader in readers:
-                reader.close()  # replay needs no file; closing again on the way out is harmless
+            readers.close()  # replay needs no file
             overlapped = replayer.step_seconds
             clock.lap("read_tensors")
             report = replayer.finish()
@@ -353,7 +357,7 @@ class ManifestModelLoader(BaseModelLoader):
             **report.to_dict(),
             "bytes_read": nbytes,
             "verify_hashes": options.verify_hashes,
-            "num_readers": readers[0].num_readers,
+            "num_readers": readers.main.num_readers,
             "forms": forms.to_dict(),
             "overlap_steps": overlap,
             "seconds": clock.laps,

@@ -181,6 +181,38 @@ def test_add_form_makes_the_other_machines_checkpoint_load_processed_here(loads)
     }
 
 
+def test_an_added_form_a_layer_does_not_choose_is_never_opened(loads):
+    _, saved, result = loads
+    entry = result["added-form-unused"]  # the saved forms fit here again; the added form's file is gone
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["processed_with_fallback"] == len(_with_fallback(entry)) and entry["forms"]["added_form"] == 0
+    assert entry["forms"]["skipped_forms"] == {}
+    assert {file for file, _, _ in entry["keys_read"]} == {entry["tensor_file"]}
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("added-form-missing", "CheckpointNotFoundError"),
+        ("added-form-truncated", "IntegrityError"),
+        ("added-form-unknown-replay", "restorer_from_a_newer_version"),
+    ],
+)
+def test_an_added_form_this_loader_cannot_use_is_skipped_said_and_its_layers_fall_back(loads, case, why):
+    """A form is an optimisation, never a single point of failure: missing, damaged, or from a newer version."""
+    _, saved, result = loads
+    entry = result[case]
+    with_fallback = _with_fallback(entry)
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["added_form"] == 0 and entry["forms"]["fallback"] == len(with_fallback)
+    assert list(entry["forms"]["skipped_forms"]) == ["0"] and why in entry["forms"]["skipped_forms"]["0"]
+    assert _steps_on(entry, with_fallback) == {f"quant_method:{p}": 1 for p in with_fallback}
+    logged = [line for line in result["_output"].splitlines() if "added form 0 (" in line and "is skipped" in line]
+    assert any(why in line for line in logged), logged
+
+
 def test_add_form_with_other_engine_settings_is_refused_and_writes_nothing(loads):
     _, _, result = loads
     refused = result["add-form-float16"]

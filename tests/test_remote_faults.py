@@ -39,7 +39,7 @@ from tensorizer_manifest.errors import (
 from tensorizer_manifest.load import restore_tensors
 from tensorizer_manifest.remote import RemoteDir, RemoteFile, RemoteOptions, transfer_error, upload_checkpoint
 from tensorizer_manifest.tensor_file import TensorFileReader, read_index
-from tensorizer_manifest.validate import open_checked_forms, validate_checkpoint
+from tensorizer_manifest.validate import open_checked, validate_checkpoint
 
 SECRET = "fleet-secret-never-shown-0a1b2c3d4e5f"
 
@@ -57,7 +57,7 @@ def load(uri: str, options: RemoteOptions, num_readers: int = 1) -> dict[str, to
     """What the loader does, without vLLM: manifest, every check, then the tensors with their hashes."""
     manifest, manifest_path = load_manifest(uri, remote=options)
     model = fresh_synthetic_model()
-    with open_checked_forms(manifest, manifest_path, num_readers=num_readers) as [reader]:
+    with open_checked(manifest, manifest_path, num_readers=num_readers) as reader:
         restore_tensors(model, manifest, reader)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -350,7 +350,7 @@ def test_the_total_retry_time_bounds_the_attempts(saved, proxy, monkeypatch):
 def test_a_throttled_parallel_reader_is_retried(saved, proxy, fast_retries):
     """tensorizer's second reader opens a ranged request of its own; a 503 there is retried too."""
     manifest, manifest_path = load_manifest(saved["uri"], remote=reader_options(proxy.url, 0))
-    with open_checked_forms(manifest, manifest_path, num_readers=2) as [reader]:
+    with open_checked(manifest, manifest_path, num_readers=2) as reader:
         assert reader.num_readers == 2
         ranged_before = len([r for r in proxy.matching("GET", saved["name"]) if r.range])
         proxy.add(Fault(path=saved["name"], ranged=True, status=503, code="SlowDown", times=2))
@@ -393,7 +393,7 @@ def test_an_object_replaced_while_parallel_readers_stream_it_is_refused(saved, p
     options = reader_options(proxy.url, 0)
     manifest, manifest_path = load_manifest(saved["uri"], remote=options)
     try:
-        with open_checked_forms(manifest, manifest_path, num_readers=2) as [reader]:
+        with open_checked(manifest, manifest_path, num_readers=2) as reader:
             assert reader.num_readers == 2 and reader.path.etag
             replace_object(moto_s3, key, other_version(saved))
             with pytest.raises(RemoteChangedError) as exc:

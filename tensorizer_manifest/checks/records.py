@@ -161,19 +161,22 @@ def check_manifest(
     return problems, records.by_key
 
 
-def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[list[Problem], list[dict]]:
+def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[list[list[Problem]], list[dict]]:
     """Each added form's records: processed layers of the manifest that have a fallback, checked as the main
-    file's are and bound to its own tensor file. Returns problems and, per form, its stored records by key."""
-    problems: list[Problem] = []
+    file's are and bound to its own tensor file. Returns, per form, its problems and its stored records by key
+    (a loader skips a form with problems; ``validate`` reports them)."""
     where = str(manifest_path)
-
-    def problem(kind: type[TensorizerManifestError], message: str) -> None:
-        problems.append(Problem(kind, where, message))
-
     layers = manifest.module_map()
     known = known_replays()
     by_key: list[dict] = []
+    problems_by_form: list[list[Problem]] = []
     for index, form in enumerate(manifest.added_forms):
+        problems: list[Problem] = []
+        problems_by_form.append(problems)
+
+        def problem(kind: type[TensorizerManifestError], message: str, problems=problems) -> None:
+            problems.append(Problem(kind, where, message))
+
         what = f"added form {index} ({form.tensor_file.path})"
         records = _Records(problem)
         seen: set[str] = set()
@@ -191,7 +194,7 @@ def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[
                 records.add(full_name(module.path, record.name), record)
         records.check_bound_to(form.tensor_file, what)
         by_key.append(records.by_key)
-    return problems, by_key
+    return problems_by_form, by_key
 
 
 def _check_alias(name: str, record: TensorRecord, records_by_name: dict[str, TensorRecord], problem) -> None:

@@ -12,6 +12,10 @@ Usage: python tests/scenarios/fallbacks.py CHECKPOINT WORKDIR KIND [--as-saved-o
 - ``added-form``: every layer with a fallback records the other machine's form, then ``add_form`` adds this
   machine's (an engine of its own, before the counted loads): those layers must load that form, processed.
   ``add-form-float16`` is the same ``add_form`` with another dtype than the saved one: refused.
+- ``added-form-unused``: the added-form checkpoint with the saved forms fitting here again and the added
+  form's file deleted: loads processed, the form never opened. ``added-form-missing``, ``-truncated`` and
+  ``-unknown-replay`` (a restorer of a newer version): the form is skipped, said in vLLM's log and the
+  report, and those layers load through their fallbacks.
 - ``s3-added-form`` (with ``TM_TEST_S3_ENDPOINT``, ``_KEY_ID``, ``_SECRET``): the other machine's checkpoint
   on S3, ``add_form`` on its URI, loaded from there.
 
@@ -26,6 +30,26 @@ import json
 import os
 import sys
 from pathlib import Path
+
+#: A restorer no version of this package has: what a form added by a newer tensorizer-manifest may name.
+NEWER_RESTORER = "restorer_from_a_newer_version"
+
+
+def _a_newer_versions_restorer(manifest) -> None:
+    for module in manifest.added_forms[0].modules:
+        module.replay = NEWER_RESTORER
+
+
+def _edit_form_file(checkpoint: Path, how: str) -> None:
+    """Delete the first added form's tensor file, or truncate it by one byte (a file of its own: it is a link)."""
+    from tensorizer_manifest import schema
+
+    manifest = schema.decode_manifest((checkpoint / "model.manifest.json").read_bytes())
+    path = checkpoint / manifest.added_forms[0].tensor_file.path
+    data = path.read_bytes()
+    path.unlink()
+    if how == "truncate":
+        path.write_bytes(data[:-1])
 
 
 def main() -> None:
@@ -72,6 +96,16 @@ def main() -> None:
         added = edited_copy(checkpoint, workdir / f"{kind}-added-form", as_the_other_machine)
         result["add-form"] = add_form(added).ranks[0]
         cases["added-form"] = added
+        # A form is an optimisation, never a single point of failure: one this loader cannot use is skipped.
+        cases["added-form-unused"] = edited_copy(added, workdir / f"{kind}-added-form-unused", as_the_other_machine)
+        _edit_form_file(cases["added-form-unused"], "delete")  # the saved form fits again: the form is never opened
+        cases["added-form-missing"] = edited_copy(added, workdir / f"{kind}-added-form-missing", lambda m: None)
+        _edit_form_file(cases["added-form-missing"], "delete")
+        cases["added-form-truncated"] = edited_copy(added, workdir / f"{kind}-added-form-truncated", lambda m: None)
+        _edit_form_file(cases["added-form-truncated"], "truncate")
+        cases["added-form-unknown-replay"] = edited_copy(
+            added, workdir / f"{kind}-added-form-unknown-replay", _a_newer_versions_restorer
+        )
         refused = edited_copy(checkpoint, workdir / f"{kind}-add-form-float16", as_the_other_machine)
         try:
             add_form(refused, engine_args={"dtype": "float16"})
