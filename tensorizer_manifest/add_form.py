@@ -97,8 +97,10 @@ def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
 
 def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     """An ``s3://`` checkpoint: its manifests and model files are staged in a temporary directory, the engine
-    streams the tensors from ``uri``, and the new tensor files are uploaded first, the manifests last (each
-    upload is atomic: a loader meanwhile reads the old manifest and its files, all still there)."""
+    streams the tensors from ``uri``, and the new tensor files are uploaded first, the manifests that changed
+    last (each upload is atomic: a loader meanwhile reads the old manifest and its files, all still there), each
+    only over the version staged (``RemoteFile.upload_if``: ``ConcurrentWriteError`` when another writer came
+    first)."""
     remote = opts.remote()
     location = RemoteDir(uri, remote)
     if location.scheme != "s3":
@@ -106,17 +108,19 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
         fetch_model_files(uri, stage, remote)
-        names = location.list_names()
-        for name in names:
+        staged: dict[str, tuple[str | None, bytes]] = {}  # manifest -> (its ETag, its bytes) as staged
+        for name in location.list_names():
             if name.endswith(MANIFEST_SUFFIX):
-                (location / name).download(stage / name)
+                manifest = location / name
+                manifest.download(stage / name)
+                staged[name] = (manifest.etag or manifest.current_etag(), (stage / name).read_bytes())
         result = _add_form(stage, opts, checkpoint_dir=uri)
         new_files = [rank["tensor_file"] for rank in result.ranks if rank["tensor_file"]]
         for name in new_files:
             (location / name).upload(stage / name)
-        if new_files:
-            for path in sorted(stage.glob(f"*{MANIFEST_SUFFIX}")):
-                (location / path.name).upload(path)
+        for name, (etag, before) in sorted(staged.items()):
+            if (stage / name).read_bytes() != before:  # a rank that added a form: only over the version staged
+                (location / name).upload_if(stage / name, etag)
     return AddFormResult(checkpoint=uri, ranks=result.ranks)
 
 

@@ -12,6 +12,7 @@
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
     │   └── UnsupportedVLLMError                this vLLM lacks or changed a private name we call
     ├── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
+    ├── ConcurrentWriteError (RuntimeError)    another writer changed the manifest since this one read it
     └── RemoteStorageError (OSError)           s3:// or http(s):// storage failed; a transfer cut short
         ├── RemoteNotFoundError (CheckpointNotFoundError too)   no object at that URI
         ├── RemoteAccessError (PermissionError)                 the credentials were refused
@@ -94,6 +95,11 @@ class ReplayError(TensorizerManifestError, RuntimeError):
     """Rebuilding a layer's runtime state failed, or left it incomplete."""
 
 
+class ConcurrentWriteError(TensorizerManifestError, RuntimeError):
+    """Another writer (a save, a re-save, an add-form) committed a manifest since this writer read the one it
+    started from: nothing of this write is committed; read the checkpoint again and re-run it."""
+
+
 class RemoteStorageError(TensorizerManifestError, OSError):
     """Remote storage (``s3://``, ``http(s)://``) failed: a transfer cut short, an unexpected answer.
 
@@ -134,6 +140,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedVLLMError",
     "ReplayError",
+    "ConcurrentWriteError",
     "RemoteStorageError",
     "RemoteNotFoundError",
     "RemoteAccessError",

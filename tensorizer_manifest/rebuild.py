@@ -166,11 +166,18 @@ def _rebind(tensor: torch.Tensor, old: object, new: object) -> torch.Tensor:
 class Rebuilder:
     """The shadow of a live model, fed the source weights; ``capture`` gives what the capture loader would."""
 
-    def __init__(self, model: torch.nn.Module, model_config: Any, device: torch.device, policy: CapturePolicy):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        device: torch.device,
+        policy: CapturePolicy,
+        spill_dir: str | None = None,
+    ):
         refuse_model_level_hook(model)
         _refuse_online_quantization(model)
         self.model, self.model_config, self.device, self.policy = model, model_config, device, policy
-        self.spill = SpillFile(None)
+        self.spill = SpillFile(spill_dir)  # pre-step copies of raw layers: on the output's file system
         self.copies = PreStepCopies(self.spill)
         self.results: dict[str, CapturedLayer] = {}
         self.deferred: list[_Layer] = []
@@ -446,25 +453,30 @@ def _source_weights(loader: Any, model_config: Any, model: torch.nn.Module) -> I
     """The engine's source weights as vLLM's default loader reads them; gone or unreadable, a typed error
     before anything is rebuilt (vLLM finds its files when the first weight is asked for)."""
     weights = iter(loader.get_all_weights(model_config, model))
-    try:
-        first = next(weights)
-    except StopIteration:
-        first = None
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointNotFoundError(
-            f"the source weights of this engine ({model_config.model}) cannot be read ({exc}): its state before "
-            "vLLM's post-load step cannot be rebuilt; put them back, or save from the source with "
-            "`tensorizer-manifest save SRC OUT`"
-        ) from None
-    if first is not None:
-        yield first
-        yield from weights
+    while True:
+        try:
+            item = next(weights)
+        except StopIteration:
+            return
+        except (OSError, RuntimeError, ValueError) as exc:  # gone at the start, or a shard gone since
+            raise CheckpointNotFoundError(
+                f"the source weights of this engine ({model_config.model}) cannot be read ({exc}): its state "
+                "before vLLM's post-load step cannot be rebuilt; put them back, or save from the source with "
+                "`tensorizer-manifest save SRC OUT`"
+            ) from None
+        yield item
 
 
 def capture_running_engine(
-    model: torch.nn.Module, vllm_config: Any, policy: CapturePolicy, fingerprint: Fingerprint
+    model: torch.nn.Module,
+    vllm_config: Any,
+    policy: CapturePolicy,
+    fingerprint: Fingerprint,
+    spill_dir: str | None = None,
 ) -> Capture:
-    """Rebuild what the capture loader records, for an engine loaded by vLLM's default loader."""
+    """Rebuild what the capture loader records, for an engine loaded by vLLM's default loader. ``spill_dir``: where
+    the raw layers' pre-step copies go (``spill.spill_dir``), about their size: the output's file system, not a
+    RAM-backed ``/tmp``."""
     from vllm.config import replace
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -477,7 +489,7 @@ def capture_running_engine(
         )
     device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
     loader = DefaultModelLoader(replace(load_config, model_loader_extra_config={}))
-    rebuilder = Rebuilder(model, model_config, device, policy)
+    rebuilder = Rebuilder(model, model_config, device, policy, spill_dir)
     try:
         # vLLM's loader runs every step under the model's dtype as torch's default: a step reads it (W8A8-int8's
         # oneDNN handle takes its output dtype from it; outside it, the handle writes float32 into bf16 outputs)

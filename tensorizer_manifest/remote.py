@@ -46,6 +46,7 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from .errors import (
+    ConcurrentWriteError,
     ConfigurationError,
     RemoteAccessError,
     RemoteChangedError,
@@ -721,6 +722,47 @@ class RemoteFile:
         except Exception as exc:
             raise self._error(exc, "uploading it") from None
 
+    def upload_if(self, source: Path, replaces: str | None) -> None:
+        """Write a small local file (a manifest) to this S3 object only if the object is still the version the
+        writer started from: ETag ``replaces``, or none at all when ``replaces`` is None (S3's conditional
+        writes, ``If-Match`` / ``If-None-Match: *``). Otherwise ``ConcurrentWriteError``, and nothing is written.
+        A server that ignores the conditions writes unconditionally: the last writer wins (docs/design.md)."""
+        if self.scheme != "s3":
+            raise ConfigurationError(f"{self.uri}: only s3:// checkpoints can be written; http(s) is read-only")
+        bucket, key = self._bucket_key()
+        body = Path(source).read_bytes()
+        condition = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
+        client = self._retrying("uploading it", lambda: _s3_client(_resolve(self.options, write=True)))
+
+        def put() -> bool:  # False: the condition failed (another writer's version is there)
+            import botocore.exceptions
+
+            try:
+                client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
+            except botocore.exceptions.ClientError as exc:
+                code, status = _answer(exc)
+                if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                raise
+            return True
+
+        if not self._retrying("uploading it", put):
+            raise ConcurrentWriteError(
+                f"{self.uri}: another writer replaced it since this one read it ("
+                + ("there was none then" if replaces is None else f"ETag {replaces} then")
+                + "); nothing of this write was committed: read the checkpoint again and re-run it"
+            )
+
+    def current_etag(self) -> str | None:
+        """The object's ETag now (a HEAD; None when there is none): what a conditional write replaces."""
+        bucket, key = self._bucket_key()
+        client = self._retrying("reading its version", lambda: _s3_client(_resolve(self.options)))
+        try:
+            head = self._retrying("reading its version", lambda: client.head_object(Bucket=bucket, Key=key))
+        except RemoteNotFoundError:
+            return None
+        return head.get("ETag")
+
     def delete(self) -> None:
         """Remove this S3 object (S3 says nothing when it was already gone)."""
         if self.scheme != "s3":
@@ -810,8 +852,11 @@ def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None =
     tensors = [p for p in files if p.name.endswith(TENSORS_SUFFIX)]
     manifests = [p for p in files if p.name.endswith(MANIFEST_SUFFIX)]
     others = [p for p in files if p not in tensors and p not in manifests]
-    for path in [*tensors, *others, *manifests]:
+    replaces = {p.name: (target / p.name).current_etag() for p in manifests}  # what this upload may replace
+    for path in [*tensors, *others]:
         (target / path.name).upload(path)
+    for path in manifests:  # each a compare-and-swap on the one found above
+        (target / path.name).upload_if(path, replaces[path.name])
     uploaded = {p.name for p in tensors}
     for name in target.list_names():
         if name not in uploaded and any(_same_stem(name, new) for new in uploaded):
@@ -820,8 +865,9 @@ def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None =
 
 
 def _same_stem(name: str, tensor_file: str) -> bool:
-    """Whether ``name`` is a tensor file of the same rank as ``tensor_file`` (``{stem}.{16 hex}.tensors``)."""
-    pattern = r"(.+)\.[0-9a-f]{16}" + re.escape(TENSORS_SUFFIX)
+    """Whether ``name`` is a tensor file of the same rank as ``tensor_file`` (``{stem}.{16 hex}.tensors``, or
+    ``{stem}.{16 hex}-{16 hex}.tensors`` when encrypted)."""
+    pattern = r"(.+)\.[0-9a-f]{16}(?:-[0-9a-f]{16})?" + re.escape(TENSORS_SUFFIX)
     ours, theirs = re.fullmatch(pattern, tensor_file), re.fullmatch(pattern, name)
     return bool(ours and theirs and ours.group(1) == theirs.group(1))
 

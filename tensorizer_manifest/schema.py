@@ -478,6 +478,14 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return msgspec.json.format(_encode(manifest), indent=1) + b"\n"
 
 
+def manifest_generation(manifest: Manifest | None) -> str | None:
+    """Which version of a checkpoint's manifest this is (``blake3:<hex>`` of its encoding; None: no manifest):
+    what a writer compares before it commits, so that it never replaces a manifest it did not read."""
+    if manifest is None:
+        return None
+    return "blake3:" + blake3.blake3(_encode(manifest)).hexdigest()
+
+
 def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
     """Decode and validate a manifest; every failure is a ``ManifestError`` naming its location.
 

@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import _vllm_compat, replay
-from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
+from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT, SPILL_DIR_ENV
 from .capture import Capture, CapturePolicy, FallbackRecorder, Recorder
 from .checkpoint import (
     check_named_tensor_file,
@@ -308,6 +308,7 @@ class ManifestModelLoader(BaseModelLoader):
             with target_device:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             clock.lap("build_model")
+            loaded = manifest
             forms = choose_forms(manifest, model, fingerprint, readers.usable)
             forms = dataclasses.replace(forms, skipped_forms=dict(readers.skipped))
             for index, reason in sorted(forms.skipped_forms.items()):
@@ -351,7 +352,8 @@ class ManifestModelLoader(BaseModelLoader):
             clock.lap("read_tensors")
             report = replayer.finish()
             if recorder is not None:
-                setattr(model, _ADDED_FORM_ATTR, recorder.finish(fingerprint, rank_stem(vllm_config)))
+                # with the manifest it was made from: add-form commits only over that one (write_added_form)
+                setattr(model, _ADDED_FORM_ATTR, (*recorder.finish(fingerprint, rank_stem(vllm_config)), loaded))
             clock.lap("replay")
         return model, {
             **report.to_dict(),
@@ -478,7 +480,7 @@ class ManifestWorkerExtension:
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
         if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
-            capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks)
+            capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
             keep_capture = False
         try:
             with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
@@ -511,7 +513,9 @@ class ManifestWorkerExtension:
             "encryption": manifest.tensor_file.encryption,
         }
 
-    def _tm_rebuilt_capture(self, model, portable: bool, allow_unverified: bool, fallbacks: bool) -> Capture:
+    def _tm_rebuilt_capture(
+        self, model, portable: bool, allow_unverified: bool, fallbacks: bool, output_dir: str
+    ) -> Capture:
         from .rebuild import capture_running_engine
 
         vllm_config = self.vllm_config
@@ -522,7 +526,9 @@ class ManifestWorkerExtension:
             device_type=fingerprint.device_type,
             fallbacks=fallbacks,
         )
-        capture = capture_running_engine(model, vllm_config, policy, fingerprint)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)  # its pre-step copies go there (SPILL_DIR_ENV wins)
+        spill = os.environ.get(SPILL_DIR_ENV) or output_dir
+        capture = capture_running_engine(model, vllm_config, policy, fingerprint, spill)
         capture.stem = rank_stem(vllm_config)
         return capture
 
@@ -542,10 +548,12 @@ class ManifestWorkerExtension:
                 f"this engine did not load with load_format={LOAD_FORMAT!r} and add_form in "
                 "model_loader_extra_config, so vLLM's step on the fallback layers was not observed"
             )
-        capture, not_added = observed
+        capture, not_added, loaded = observed
         result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
         if capture.layers:
-            manifest = write_added_form(capture, Path(checkpoint_dir), capture.stem, signing_key, encryption_key)
+            manifest = write_added_form(
+                capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key
+            )
             result["tensor_file"] = manifest.added_forms[-1].tensor_file.path
             result["bytes"] = manifest.added_forms[-1].tensor_file.size
         delattr(model, _ADDED_FORM_ATTR)

@@ -1,20 +1,33 @@
 """Turn a capture into a checkpoint: the tensor file, then the manifest, both renamed into place.
 
 The manifest is written last, so a directory whose manifest exists has a
-complete tensor file beside it.
+complete tensor file beside it. Every commit of a manifest (a save, a re-save,
+an add-form) is a compare-and-swap on the manifest the writer started from
+(``commit_manifest``): writers of one checkpoint take turns under a lock, and
+one whose starting manifest was replaced meanwhile gets ``ConcurrentWriteError``
+and commits nothing, so that no writer silently loses another's work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import socket
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import blake3
+import msgspec
 import torch
 
 from ._constants import PRODUCER
 from .capture import Capture
+from .checks.seal import check_seal
+from .errors import ConcurrentWriteError, ManifestError
 from .layers import TensorSlot
 from .progress import ProgressCallback, ProgressCounter
 from .remote import is_model_file
@@ -34,6 +47,7 @@ from .schema import (
     encode_manifest,
     fallback_name,
     full_name,
+    manifest_generation,
     qualified_class,
     required_format_version,
     seal_manifest,
@@ -150,21 +164,26 @@ def write_checkpoint(
     beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
     tensor file, both removed by the next save.
 
+    The manifest found when this write starts is the one it may replace: one another writer committed
+    meanwhile (an add-form, another save) is a ``ConcurrentWriteError``, and this write commits nothing.
+
     ``release`` closes the capture's pre-step copies as soon as the tensor file is
     written, so that their dirty pages are dropped instead of competing with the
     ``fsync`` for the disk.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    started_from = current_generation(out_dir / (stem + MANIFEST_SUFFIX))
     _remove_orphaned_temporaries(out_dir, stem)
     manifest, to_store = build_manifest(capture, "")
     tensor_name = _write_tensors(
         out_dir, stem, manifest.tensor_file, to_store, encryption_key, progress, capture.close if release else None
     )
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
-    _write_manifest(out_dir, stem, manifest)
-    for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):
-        if stale.name != tensor_name:
-            stale.unlink(missing_ok=True)
+    with manifest_lock(out_dir, stem):
+        commit_manifest(out_dir, stem, manifest, started_from, locked=True)
+        for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):  # under the lock: no commit names them now
+            if stale.name != tensor_name:
+                stale.unlink(missing_ok=True)
     return manifest
 
 
@@ -172,6 +191,7 @@ def write_added_form(
     capture: Capture,
     checkpoint_dir: Path,
     stem: str,
+    base: Manifest,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> Manifest:
@@ -179,12 +199,20 @@ def write_added_form(
     checkpoint in ``checkpoint_dir``: a tensor file of its own, then the manifest with the form appended to
     ``added_forms``, sealed again, renamed into place last.
 
+    ``base`` is the manifest the engine loaded, the one this form was made from: its seal is checked again
+    (with the keys given) before it is re-sealed, and it is committed over only if it is still the checkpoint's
+    manifest (``ConcurrentWriteError`` otherwise: a re-save or another add-form came first).
+
     Crash-safe as ``write_checkpoint`` is: until the rename, the directory holds the checkpoint as it was
     (an unreferenced new tensor file at worst), and a loader that read the old manifest still finds every
     file it names. Returns the new manifest.
     """
-    manifest_path = checkpoint_dir / (stem + MANIFEST_SUFFIX)
-    manifest = decode_manifest(manifest_path.read_bytes(), str(manifest_path))
+    sealed = check_seal(base, signing_key, encryption_key)
+    if sealed is not None:
+        kind, message = sealed
+        raise kind(f"{checkpoint_dir / (stem + MANIFEST_SUFFIX)}: not adding a form to it: {message}")
+    started_from = manifest_generation(base)
+    manifest = msgspec.structs.replace(base, added_forms=list(base.added_forms))
     _remove_orphaned_temporaries(checkpoint_dir, stem)
     form, to_store = build_manifest(capture, "")
     _write_tensors(checkpoint_dir, stem, form.tensor_file, to_store, encryption_key)
@@ -193,8 +221,68 @@ def write_added_form(
     )
     manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
-    _write_manifest(checkpoint_dir, stem, manifest)
+    commit_manifest(checkpoint_dir, stem, manifest, started_from)
     return manifest
+
+
+#: How long a writer waits for another writer's commit to the same checkpoint (each holds the lock for the
+#: compare and the rename: milliseconds) before it gives up with ``ConcurrentWriteError``.
+LOCK_TIMEOUT_S = 60.0
+
+
+@contextmanager
+def manifest_lock(out_dir: Path, stem: str) -> Iterator[None]:
+    """Writers of one checkpoint commit one at a time: an exclusive ``flock`` on ``.<stem>.manifest.json.lock``
+    (a file that stays), released by the kernel when its holder dies, even by ``kill -9``. Across hosts on a
+    shared file system it serialises them as far as that file system's locks do (NFSv4's do)."""
+    fd = os.open(out_dir / f".{stem}{MANIFEST_SUFFIX}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConcurrentWriteError(
+                        f"{out_dir / (stem + MANIFEST_SUFFIX)}: another writer has held its lock for over "
+                        f"{LOCK_TIMEOUT_S:.0f} s; nothing was committed: re-run when it is done"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def current_generation(manifest_path: Path) -> str | None:
+    """The generation of the manifest at ``manifest_path`` now (``schema.manifest_generation``): None when there
+    is none, and one that cannot be decoded by its bytes (so that a re-save can replace a damaged manifest)."""
+    try:
+        data = manifest_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return manifest_generation(decode_manifest(data, str(manifest_path)))
+    except ManifestError:
+        return "unreadable:blake3:" + blake3.blake3(data).hexdigest()
+
+
+def commit_manifest(
+    out_dir: Path, stem: str, manifest: Manifest, started_from: str | None, locked: bool = False
+) -> None:
+    """Replace ``<stem>.manifest.json`` with ``manifest`` if it is still the one the writer started from
+    (``started_from``, a ``current_generation``; None: there was none), else ``ConcurrentWriteError``.
+    ``locked``: the caller holds ``manifest_lock`` already."""
+    path = out_dir / (stem + MANIFEST_SUFFIX)
+    with contextlib.nullcontext() if locked else manifest_lock(out_dir, stem):
+        now = current_generation(path)
+        if now != started_from:
+            raise ConcurrentWriteError(
+                f"{path}: another writer committed a manifest since this one read it "
+                f"({started_from or 'none'} then, {now or 'none'} now); nothing of this write was committed: "
+                "read the checkpoint again and re-run it"
+            )
+        _write_manifest(out_dir, stem, manifest)
 
 
 def _write_tensors(
@@ -213,7 +301,7 @@ def _write_tensors(
     if encryption_key is not None:
         ref.encryption = ENCRYPTION_TENSORIZER
     counter = ProgressCounter(progress, len(to_store), sum(_nbytes(slot) for _, slot in to_store))
-    tmp_tensors = out_dir / f".{tensor_name}.{os.getpid()}.tmp"
+    tmp_tensors = out_dir / _temporary_name(tensor_name)
     try:
         write_tensor_file(
             tmp_tensors, stored_tensors(to_store), encryption_key, on_written=lambda _, n: counter.advance(n)
@@ -240,7 +328,7 @@ def _write_tensors(
 def _write_manifest(out_dir: Path, stem: str, manifest: Manifest) -> None:
     """``<stem>.manifest.json``, written beside and renamed over the old one: the commit point."""
     manifest_name = stem + MANIFEST_SUFFIX
-    tmp_manifest = out_dir / f".{manifest_name}.{os.getpid()}.tmp"
+    tmp_manifest = out_dir / _temporary_name(manifest_name)
     try:
         tmp_manifest.write_bytes(encode_manifest(manifest))
         _fsync(tmp_manifest)
@@ -255,11 +343,22 @@ def _nbytes(slot: TensorSlot) -> int:
     return slot.tensor.numel() * slot.tensor.element_size()
 
 
+def _this_host() -> str:
+    """This host's name as a temporary's name carries it (no dots, so that the name splits back)."""
+    return socket.gethostname().replace(".", "_") or "localhost"
+
+
+def _temporary_name(name: str) -> str:
+    """``.<name>.<host>.<pid>.tmp``: whose it is, so that cleaning up never touches another host's file."""
+    return f".{name}.{_this_host()}.{os.getpid()}.tmp"
+
+
 def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:
-    """Hidden temporaries of saves that were killed (their process is gone)."""
+    """Hidden temporaries of this host's saves that were killed (their process is gone). Another host's are
+    never touched: a process id means nothing here (a shared file system)."""
     for tmp in out_dir.glob(f".{stem}.*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        _, host, pid, _ = tmp.name.rsplit(".", 3)
+        if host != _this_host() or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)

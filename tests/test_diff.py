@@ -84,13 +84,13 @@ def test_diff_compares_forms_and_fallbacks(tmp_path):
 
 
 def test_diff_names_the_forms_other_engines_added(tmp_path):
-    from test_write import _experts_form_capture
+    from helpers.synthetic import experts_form_capture
 
     from tensorizer_manifest.write import write_added_form
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "a", seed=3, fallbacks=True)
     before = load_manifest(checkpoint)[0]
-    after = write_added_form(_experts_form_capture(), checkpoint, "model")
+    after = write_added_form(experts_form_capture(), checkpoint, "model", before)
     (change,) = [c for c in diff_manifests(before, after).layers_changed if c[1] == "added forms"]
     assert change[0] == "model.layers.0.mlp.experts" and change[2] == []
     assert change[3] == [{"form": after.added_forms[0].modules[0].form, "on": ["AVX512", "AMX"]}]

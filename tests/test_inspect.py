@@ -31,13 +31,13 @@ def test_a_layer_with_a_raw_fallback_shows_both_forms(tmp_path):
 
 
 def test_a_form_another_engine_added_is_shown_between_the_own_form_and_the_fallback(tmp_path):
-    from test_write import _experts_form_capture
+    from helpers.synthetic import experts_form_capture
 
     from tensorizer_manifest.inspect import added_records
     from tensorizer_manifest.write import write_added_form
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
-    manifest = write_added_form(_experts_form_capture(), checkpoint, "model")
+    manifest = write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
     layer = next(m for m in manifest.modules if m.fallback)
     forms = layer_row(layer, added_records(manifest)[layer.path])["forms"]
     assert [f["state"] for f in forms] == ["processed", "processed (added form 0)", "raw fallback"]

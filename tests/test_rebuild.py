@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from tensorizer_manifest import rebuild  # noqa: E402
-from tensorizer_manifest.errors import NotReproducibleError, UnsupportedModelError  # noqa: E402
+from tensorizer_manifest.errors import CheckpointNotFoundError, NotReproducibleError, UnsupportedModelError  # noqa: E402
 
 
 def test_bit_identity_sees_every_bit_and_no_more():
@@ -106,3 +106,16 @@ def test_a_layer_quantized_online_is_refused_before_anything_is_rebuilt():
     model[0].quant_method = type("OnlineMethod", (), {"uses_meta_device": True})()
     with pytest.raises(UnsupportedModelError, match=r"^0: .*online quantization"):
         rebuild._refuse_online_quantization(model)
+
+
+def test_a_source_shard_gone_after_the_first_weight_is_a_typed_error():
+    class Loader:
+        def get_all_weights(self, model_config, model):
+            yield "model.embed_tokens.weight", torch.zeros(2)
+            raise FileNotFoundError("model-00002-of-00002.safetensors")
+
+    config = type("ModelConfig", (), {"model": "/models/m"})()
+    weights = rebuild._source_weights(Loader(), config, None)
+    assert next(weights)[0] == "model.embed_tokens.weight"
+    with pytest.raises(CheckpointNotFoundError, match=r"cannot be read \(model-00002-of-00002"):
+        next(weights)

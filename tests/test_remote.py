@@ -15,6 +15,7 @@ from helpers.synthetic import write_synthetic_checkpoint
 from tensorizer_manifest import remote
 from tensorizer_manifest.errors import (
     CheckpointNotFoundError,
+    ConcurrentWriteError,
     ConfigurationError,
     RemoteAccessError,
     RemoteNotFoundError,
@@ -105,7 +106,11 @@ def test_upload_order_and_s3_reads(moto_s3, checkpoint, tmp_path, monkeypatch):
     uri, options = fresh_prefix(), options_for(moto_s3)
     order: list[str] = []
     upload = RemoteFile.upload
+    upload_if = RemoteFile.upload_if
     monkeypatch.setattr(RemoteFile, "upload", lambda self, source: (order.append(self.name), upload(self, source)))
+    monkeypatch.setattr(
+        RemoteFile, "upload_if", lambda self, source, etag: (order.append(self.name), upload_if(self, source, etag))
+    )
     names = upload_checkpoint(checkpoint, uri, options)
     assert order == names
     assert order[0].endswith(".tensors") and order[-1] == "model.manifest.json"  # a manifest never precedes its tensors
@@ -162,6 +167,44 @@ def test_a_resave_to_the_same_prefix_leaves_no_stale_tensor_file(moto_s3, tmp_pa
     assert old != expected  # different weights, different file names: the first one is stale now
     assert new == sorted([*expected, "other.0123456789abcdef.tensors"])
     assert "notes.txt" in d.list_names()
+
+
+def test_a_manifest_another_writer_committed_during_an_upload_is_never_overwritten(moto_s3, tmp_path, monkeypatch):
+    """Each manifest upload is a compare-and-swap on the version found when the upload began (S3's conditional
+    writes): a writer that came first is told, never silently replaced."""
+    uri, options = fresh_prefix(), options_for(moto_s3)
+    first, second, third = (write_synthetic_checkpoint(tmp_path / n, seed=i) for i, n in enumerate("abc", 1))
+    upload_checkpoint(first, uri, options)
+    d = RemoteDir(uri, options)
+    upload = RemoteFile.upload
+
+    def another_writer_meanwhile(self, source):
+        upload(self, source)
+        if self.name.endswith(".tensors"):  # while this upload runs, another writer commits its manifest
+            monkeypatch.setattr(RemoteFile, "upload", upload)
+            upload_checkpoint(third, uri, options)
+
+    monkeypatch.setattr(RemoteFile, "upload", another_writer_meanwhile)
+    with pytest.raises(ConcurrentWriteError, match="another writer replaced it"):
+        upload_checkpoint(second, uri, options)
+    assert (d / "model.manifest.json").read_bytes() == (third / "model.manifest.json").read_bytes()
+    # a manifest that is not there yet is created only if no other writer created it first
+    fresh = RemoteDir(fresh_prefix(), options) / "model.manifest.json"
+    fresh.upload_if(first / "model.manifest.json", None)
+    with pytest.raises(ConcurrentWriteError, match="there was none then"):
+        fresh.upload_if(second / "model.manifest.json", None)
+    etag = fresh.current_etag()
+    fresh.upload_if(second / "model.manifest.json", etag)
+    assert fresh.read_bytes() == (second / "model.manifest.json").read_bytes()
+
+
+def test_a_re_save_finds_the_stale_files_of_an_encrypted_save_too():
+    from tensorizer_manifest.remote import _same_stem
+
+    new = "model.1111111111111111.tensors"
+    assert _same_stem("model.0123456789abcdef-fedcba9876543210.tensors", new)
+    assert _same_stem("model.0123456789abcdef.tensors", "model.2222222222222222-3333333333333333.tensors")
+    assert not _same_stem("model-tp1-of-2.0123456789abcdef-fedcba9876543210.tensors", new)  # another rank's
 
 
 def test_credentials_from_s3cfg_and_from_the_environment(moto_s3, checkpoint, tmp_path, monkeypatch):

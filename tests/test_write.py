@@ -222,8 +222,9 @@ def kill_at(spawn, out: Path, anchor: str, delay: float) -> dict:
 
 
 def check_no_lookalikes(out: Path) -> list[str]:
-    """Hidden leftovers must be ``.*.tmp`` and must not end like a checkpoint file; returns them."""
-    hidden = [n for n in os.listdir(out) if n.startswith(".")]
+    """Hidden leftovers must be ``.*.tmp`` and must not end like a checkpoint file; returns them (the writers'
+    lock file, which stays, aside)."""
+    hidden = [n for n in os.listdir(out) if n.startswith(".") and n != f".{MANIFEST}.lock"]
     for name in hidden:
         assert name.endswith(".tmp"), f"hidden leftover {name!r} is not a .tmp file"
         assert not name.endswith((MANIFEST_SUFFIX, TENSORS_SUFFIX)), f"leftover {name!r} looks like a checkpoint file"
@@ -307,7 +308,7 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         orphans = sorted(n for n in os.listdir(out) if n.endswith(TENSORS_SUFFIX))
         for name in orphans:
             references.check_complete_tensor_file(out / name)
-        others = set(os.listdir(out)) - set(orphans) - set(hidden) - {MANIFEST, "config.json"}
+        others = set(os.listdir(out)) - set(orphans) - set(hidden) - {MANIFEST, "config.json", f".{MANIFEST}.lock"}
         assert not others, f"kill at {info}: unexpected files {others}"
         report = validate_checkpoint(out)
         if (out / MANIFEST).exists():
@@ -529,32 +530,14 @@ def test_an_encrypted_save_records_it_seals_with_the_key_and_names_each_write_ap
     assert plain.tensor_file.encryption == "none" and "-" not in plain.tensor_file.path
 
 
-def _experts_form_capture(seed: int = 5):
-    """This engine's processed form of the synthetic checkpoint's experts layer (another ISA than saved)."""
-    import torch
-    from helpers.synthetic import FINGERPRINT, _slots
-
-    from tensorizer_manifest.capture import Capture, CapturedLayer
-
-    torch.manual_seed(seed)
-    experts = torch.nn.Module()
-    experts.w13_weight = torch.nn.Parameter(torch.randn(4, 16, 32).to(torch.bfloat16), requires_grad=False)
-    form = {"experts_class": "X86CPUUnquantizedExperts", "isa": "amx", "zentorch": False}
-    layer = CapturedLayer("model.layers.0.mlp.experts", experts, "processed", "cpu_unquantized_moe",
-                          _slots(experts), [], [], "", form=form, verified=True)  # fmt: skip
-    fingerprint = FINGERPRINT.__copy__()
-    fingerprint.cpu_features = ["AVX512", "AMX"]
-    return Capture(fingerprint=fingerprint, layers=[layer])
-
-
 def test_an_added_form_gets_its_own_tensor_file_and_the_whole_checkpoint_validates(tmp_path):
-    from helpers.synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import experts_form_capture, write_synthetic_checkpoint
 
     from tensorizer_manifest.write import write_added_form
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
     before = read_manifest(checkpoint / "model.manifest.json")
-    manifest = write_added_form(_experts_form_capture(), checkpoint, "model")
+    manifest = write_added_form(experts_form_capture(), checkpoint, "model", before)
     (form,) = manifest.added_forms
     assert form.tensor_file.path != before.tensor_file.path and (checkpoint / form.tensor_file.path).is_file()
     assert [m.path for m in form.modules] == ["model.layers.0.mlp.experts"] and form.modules[0].form["isa"] == "amx"
@@ -566,7 +549,7 @@ def test_an_added_form_gets_its_own_tensor_file_and_the_whole_checkpoint_validat
 
 
 def test_an_interrupted_add_form_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
-    from helpers.synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import experts_form_capture, write_synthetic_checkpoint
 
     from tensorizer_manifest import write
 
@@ -578,19 +561,19 @@ def test_an_interrupted_add_form_leaves_the_checkpoint_as_it_was(tmp_path, monke
 
     monkeypatch.setattr(write, "_write_manifest", killed)
     with pytest.raises(KeyboardInterrupt):
-        write.write_added_form(_experts_form_capture(), checkpoint, "model")
+        write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
     assert (checkpoint / "model.manifest.json").read_bytes() == manifest_bytes
     assert validate_checkpoint(checkpoint).ok  # the new tensor file, if any, is named by no manifest
 
 
 def test_damaged_bytes_of_an_added_form_are_caught_by_their_content_hash(tmp_path):
-    from helpers.synthetic import write_synthetic_checkpoint
+    from helpers.synthetic import experts_form_capture, write_synthetic_checkpoint
 
     from tensorizer_manifest.tensor_file import read_index
     from tensorizer_manifest.write import write_added_form
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
-    form = write_added_form(_experts_form_capture(), checkpoint, "model").added_forms[0]
+    form = write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint)).added_forms[0]
     path = checkpoint / form.tensor_file.path
     entry = read_index(path)[form.modules[0].tensors[0].key]
     data = bytearray(path.read_bytes())

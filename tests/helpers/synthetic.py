@@ -113,10 +113,12 @@ def make_capture(seed: int = 0, scale: int = 1, fallbacks: bool = False) -> Capt
     return Capture(fingerprint=FINGERPRINT, layers=layers)
 
 
-def write_synthetic_checkpoint(out_dir: Path, seed: int = 0, scale: int = 1, fallbacks: bool = False) -> Path:
+def write_synthetic_checkpoint(
+    out_dir: Path, seed: int = 0, scale: int = 1, fallbacks: bool = False, signing_key=None
+) -> Path:
     """Write the synthetic checkpoint into ``out_dir`` (a config.json too) and return it."""
     out_dir = Path(out_dir)
-    write_checkpoint(make_capture(seed, scale, fallbacks), out_dir, "model")
+    write_checkpoint(make_capture(seed, scale, fallbacks), out_dir, "model", signing_key)
     (out_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
     return out_dir
 
@@ -150,3 +152,17 @@ def fresh_synthetic_model() -> torch.nn.Module:
     model.lm_head = torch.nn.Module()
     model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
     return model
+
+
+def experts_form_capture(seed: int = 5) -> Capture:
+    """What another engine adds to a checkpoint ``make_capture(fallbacks=True)`` wrote: its processed form of the
+    experts layer (another ISA than saved), as ``add-form`` would capture it."""
+    torch.manual_seed(seed)
+    experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.randn(4, 16, 32).to(torch.bfloat16), requires_grad=False)
+    form = {"experts_class": "X86CPUUnquantizedExperts", "isa": "amx", "zentorch": False}
+    layer = CapturedLayer("model.layers.0.mlp.experts", experts, "processed", "cpu_unquantized_moe",
+                          _slots(experts), [], [], "", form=form, verified=True)  # fmt: skip
+    fingerprint = FINGERPRINT.__copy__()
+    fingerprint.cpu_features = ["AVX512", "AMX"]
+    return Capture(fingerprint=fingerprint, layers=[layer])

@@ -1,0 +1,283 @@
+"""Writers racing each other on one checkpoint, as real processes (issue #25 item 2).
+
+Every commit of a manifest is a compare-and-swap on the manifest the writer started from
+(``write.commit_manifest``, under ``write.manifest_lock``): of two writers that started from one manifest, one
+commits and the other gets ``ConcurrentWriteError`` and commits nothing. No race loses a form silently, leaves
+a checkpoint that does not validate, or a manifest naming a file that is not there; a writer killed with
+``kill -9`` at any point of its commit leaves the checkpoint as it was before or as it is after, and never
+holds the lock past its death. Each race runs again with the writers' start shifted (bounded in count).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers.synthetic import experts_form_capture, make_capture, write_synthetic_checkpoint
+
+from tensorizer_manifest import write
+from tensorizer_manifest.checkpoint import read_manifest
+from tensorizer_manifest.errors import ConcurrentWriteError, IntegrityError
+from tensorizer_manifest.schema import MANIFEST_SUFFIX, SigningKey, manifest_generation
+from tensorizer_manifest.validate import validate_checkpoint
+
+MANIFEST = "model" + MANIFEST_SUFFIX
+#: Start offsets of the second writer, in seconds (the first starts at the gate): same instant, then later.
+SHIFTS = (0.0, 0.002, 0.02)
+WAIT_S = 60.0
+
+
+def _writer(what: str, checkpoint: str, gate: str, delay: float, seed: int, out: str) -> None:
+    """One writer, in a process of its own: it reads the manifest it starts from, says it is ready, waits at the
+    gate, sleeps ``delay``, then commits (``add-form``: a form of its own; ``re-save``: another checkpoint)."""
+    base = read_manifest(checkpoint)
+    started_from = write.current_generation(Path(checkpoint) / MANIFEST)
+    Path(out + ".ready").touch()
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(delay)
+    result: dict = {"committed": False, "error": None}
+    try:
+        if what == "add-form":
+            write.write_added_form(experts_form_capture(seed), Path(checkpoint), "model", base)
+        else:
+            # a re-save that began before the gate: its commit must be over the manifest it found then
+            manifest, to_store = write.build_manifest(make_capture(seed=seed, fallbacks=True), "")
+            name = write._write_tensors(Path(checkpoint), "model", manifest.tensor_file, to_store, None)
+            manifest.seal = write.seal_manifest(manifest)
+            write.commit_manifest(Path(checkpoint), "model", manifest, started_from)
+            result["tensor_file"] = name
+        result["committed"] = True
+    except ConcurrentWriteError as exc:
+        result["error"] = f"ConcurrentWriteError: {exc}"
+    Path(out).write_text(json.dumps(result))
+
+
+def _race(checkpoint: Path, writers: list[tuple[str, int]], delay: float, tmp: Path) -> list[dict]:
+    """Start ``writers`` (what, seed) as processes, open the gate when all are ready; their results."""
+    context = multiprocessing.get_context("spawn")
+    gate = tmp / "gate"
+    gate.unlink(missing_ok=True)
+    outs = [tmp / f"writer-{i}.json" for i in range(len(writers))]
+    processes = []
+    for i, ((what, seed), out) in enumerate(zip(writers, outs, strict=True)):
+        out.unlink(missing_ok=True)
+        Path(str(out) + ".ready").unlink(missing_ok=True)
+        args = (what, str(checkpoint), str(gate), delay if i else 0.0, seed, str(out))
+        processes.append(context.Process(target=_writer, args=args))
+        processes[-1].start()
+    deadline = time.monotonic() + WAIT_S
+    while not all(Path(str(out) + ".ready").exists() for out in outs):
+        assert time.monotonic() < deadline, "a writer never got ready"
+        time.sleep(0.01)
+    gate.touch()
+    for process in processes:
+        process.join(WAIT_S)
+        assert process.exitcode == 0, f"a writer died ({process.exitcode})"
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def _assert_loadable(checkpoint: Path) -> None:
+    report = validate_checkpoint(checkpoint)
+    assert report.ok, report.problems  # every file a manifest names is there, whole
+
+
+@pytest.mark.parametrize("delay", SHIFTS)
+def test_two_add_forms_at_once_one_commits_the_other_is_told_and_no_form_is_lost(tmp_path, delay):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    results = _race(checkpoint, [("add-form", 11), ("add-form", 12)], delay, tmp_path)
+    committed = [r for r in results if r["committed"]]
+    assert len(committed) == 1, results
+    (refused,) = [r for r in results if not r["committed"]]
+    assert refused["error"].startswith("ConcurrentWriteError: ") and "re-run" in refused["error"]
+    manifest = read_manifest(checkpoint)
+    assert len(manifest.added_forms) == 1  # the winner's; the loser knows its form is not in
+    _assert_loadable(checkpoint)
+    # the loser re-runs over what is there now: both forms are in, neither lost
+    write.write_added_form(experts_form_capture(13), checkpoint, "model", manifest)
+    assert len(read_manifest(checkpoint).added_forms) == 2
+    _assert_loadable(checkpoint)
+
+
+@pytest.mark.parametrize("delay", SHIFTS)
+def test_an_add_form_against_a_re_save_one_commits_and_the_checkpoint_stays_loadable(tmp_path, delay):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    before = read_manifest(checkpoint)
+    results = _race(checkpoint, [("re-save", 21), ("add-form", 22)], delay, tmp_path)
+    assert sum(r["committed"] for r in results) == 1, results
+    resave, add_form = results
+    manifest = read_manifest(checkpoint)
+    if resave["committed"]:  # the re-save's checkpoint, with no form made from the old one
+        assert add_form["error"].startswith("ConcurrentWriteError: ")
+        assert manifest.tensor_file.path == resave["tensor_file"] and manifest.added_forms == []
+    else:  # the add-form's: the old checkpoint and its form; the re-save was told
+        assert resave["error"].startswith("ConcurrentWriteError: ")
+        assert manifest.tensor_file == before.tensor_file and len(manifest.added_forms) == 1
+    _assert_loadable(checkpoint)
+
+
+def test_a_loader_during_add_forms_always_reads_a_whole_checkpoint(tmp_path):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    context = multiprocessing.get_context("spawn")
+    stop = tmp_path / "stop"
+    reader = context.Process(target=_validate_until, args=(str(checkpoint), str(stop), str(tmp_path / "reads.json")))
+    reader.start()
+    try:
+        for seed in range(30, 36):  # forms added one after another while the reader reads
+            write.write_added_form(experts_form_capture(seed), checkpoint, "model", read_manifest(checkpoint))
+    finally:
+        stop.touch()
+        reader.join(WAIT_S)
+    reads = json.loads((tmp_path / "reads.json").read_text())
+    assert reads["count"] >= 1 and reads["problems"] == [], reads
+    assert len(read_manifest(checkpoint).added_forms) == 6
+
+
+def _validate_until(checkpoint: str, stop: str, out: str) -> None:
+    count, problems = 0, []
+    deadline = time.monotonic() + WAIT_S
+    while (not os.path.exists(stop) or count == 0) and time.monotonic() < deadline:
+        report = validate_checkpoint(checkpoint)
+        count += 1
+        problems += [f"{p.kind.__name__}: {p.message}" for p in report.problems]
+    Path(out).write_text(json.dumps({"count": count, "problems": problems}))
+
+
+#: Where in its commit a writer is killed (``_killed_writer``): holding the lock before comparing, with the new
+#: manifest written beside the old one, and just after the rename.
+KILL_POINTS = ("locked", "written", "renamed")
+
+
+def _killed_writer(checkpoint: str, point: str, ready: str) -> None:
+    """An add-form that stops at ``point`` of its commit, says so, and waits to be killed."""
+
+    def pause() -> None:
+        Path(ready).touch()
+        time.sleep(WAIT_S)
+
+    write_manifest, replace = write._write_manifest, os.replace
+
+    def paused_write_manifest(out_dir, stem, manifest):
+        if point == "locked":
+            pause()
+        return write_manifest(out_dir, stem, manifest)
+
+    def paused_replace(src, dst):
+        if str(dst).endswith(MANIFEST) and point == "written":
+            pause()
+        replace(src, dst)
+        if str(dst).endswith(MANIFEST) and point == "renamed":
+            pause()
+
+    write._write_manifest = paused_write_manifest
+    write.os.replace = paused_replace
+    write.write_added_form(experts_form_capture(41), Path(checkpoint), "model", read_manifest(checkpoint))
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_writer_killed_at_each_commit_point_leaves_the_checkpoint_before_or_after_and_the_lock_free(tmp_path, point):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    before = manifest_generation(read_manifest(checkpoint))
+    ready = tmp_path / "ready"
+    process = multiprocessing.get_context("spawn").Process(
+        target=_killed_writer, args=(str(checkpoint), point, str(ready))
+    )
+    process.start()
+    deadline = time.monotonic() + WAIT_S
+    while not ready.exists():
+        assert process.is_alive() and time.monotonic() < deadline, "the writer never reached its commit point"
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(WAIT_S)
+    manifest = read_manifest(checkpoint)
+    assert (manifest_generation(manifest) == before) == (point != "renamed")  # before, or after the rename
+    assert len(manifest.added_forms) == (1 if point == "renamed" else 0)
+    _assert_loadable(checkpoint)
+    # the dead writer's lock went with it: the next writer commits at once
+    started = time.monotonic()
+    write.write_added_form(experts_form_capture(42), checkpoint, "model", manifest)
+    assert time.monotonic() - started < 10
+    _assert_loadable(checkpoint)
+
+
+def test_add_form_checks_the_seal_it_replaces_with_the_key_it_was_made_with(tmp_path):
+    key = SigningKey(b"k" * 32)
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True, signing_key=key)
+    manifest = read_manifest(checkpoint)
+    forged = read_manifest(checkpoint)
+    forged.seal = write.seal_manifest(forged)  # the same content, re-sealed by someone without the key
+    with pytest.raises(IntegrityError, match="not adding a form"):
+        write.write_added_form(experts_form_capture(), checkpoint, "model", forged, signing_key=key)
+    with pytest.raises(IntegrityError):
+        write.write_added_form(experts_form_capture(), checkpoint, "model", manifest, signing_key=SigningKey(b"x" * 32))
+    added = write.write_added_form(experts_form_capture(), checkpoint, "model", manifest, signing_key=key)
+    assert added.seal.mode == "mac" and len(added.added_forms) == 1
+
+
+def test_cleaning_up_never_touches_another_hosts_temporaries(tmp_path):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    dead = 2**22 + 12345  # above any pid this machine hands out
+    ours = checkpoint / f".model.0123456789abcdef.tensors.{write._this_host()}.{dead}.tmp"
+    theirs = checkpoint / f".model.0123456789abcdef.tensors.another-host.{dead}.tmp"
+    for tmp in (ours, theirs):
+        tmp.write_bytes(b"half a tensor file")
+    write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
+    assert not ours.exists()  # this host's, its writer dead: removed
+    assert theirs.exists()  # another host's: its pid means nothing here
+
+
+def _conditional_upload(endpoint: str, key_id: str, secret: str, uri: str, source: str, etag: str, gate: str,
+                        out: str) -> None:  # fmt: skip
+    """One writer of an S3 manifest, in a process of its own: at the gate, a compare-and-swap on ``etag``."""
+    from tensorizer_manifest.remote import RemoteFile, RemoteOptions
+
+    target = RemoteFile(uri, RemoteOptions(key_id, secret, endpoint))
+    Path(out + ".ready").touch()
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    try:
+        target.upload_if(Path(source), etag)
+        Path(out).write_text("committed")
+    except ConcurrentWriteError:
+        Path(out).write_text("ConcurrentWriteError")
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_two_writers_of_one_s3_manifest_at_once_one_commits_the_other_is_told(moto_s3, tmp_path, round_):
+    from helpers.servers import BUCKET
+
+    from tensorizer_manifest.remote import RemoteFile, RemoteOptions
+
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    uri = f"s3://{BUCKET}/writers-{os.getpid()}-{round_}/model.manifest.json"
+    sources = [write_synthetic_checkpoint(tmp_path / n, seed=i) / MANIFEST for i, n in enumerate("abc")]
+    target = RemoteFile(uri, options)
+    target.upload_if(sources[0], None)
+    etag = target.current_etag()
+    context = multiprocessing.get_context("spawn")
+    gate, outs = tmp_path / "gate", [tmp_path / "w1", tmp_path / "w2"]
+    processes = [
+        context.Process(target=_conditional_upload, args=(moto_s3.endpoint, moto_s3.key_id, moto_s3.secret, uri,
+                                                          str(source), etag, str(gate), str(out)))
+        for source, out in zip(sources[1:], outs, strict=True)
+    ]  # fmt: skip
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + WAIT_S
+    while not all(Path(str(out) + ".ready").exists() for out in outs):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gate.touch()
+    for process in processes:
+        process.join(WAIT_S)
+    results = [out.read_text() for out in outs]
+    assert sorted(results) == ["ConcurrentWriteError", "committed"], results
+    winner = sources[1 + results.index("committed")]
+    assert RemoteFile(uri, options).read_bytes() == winner.read_bytes()
