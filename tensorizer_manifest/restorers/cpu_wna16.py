@@ -38,7 +38,10 @@ class CpuWna16Restorer(Restorer):
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16",
     )
     verified_on = frozenset({"cpu"})
-    rebuilds = "use_w4a8 and isa_hint (the layout the repacked weights are in); zero points left as saved"
+    rebuilds = (
+        "use_w4a8 and isa_hint (the layout the repacked weights are in); zero points left as saved, or unset "
+        "(None) as the step leaves them where there are none"
+    )
 
     def applies_to(self, module):
         return wna16_kernel(module) is not None
@@ -57,12 +60,17 @@ class CpuWna16Restorer(Restorer):
 
     def covers(self, module, diff):
         allowed = {("layer", flag) for flag in _FLAGS}
+        zero_point = _unset_zero_point(module)
+        if zero_point is not None:
+            if diff.changed_attrs.get(("layer", zero_point), _MISSING) is not None:
+                return f"the step set {zero_point} to something other than None"
+            allowed.add(("layer", zero_point))
         why_not = state_beyond(diff, allowed)
         if why_not is not None:
             return why_not
         if diff.added_tensors - self.creates_tensors(module):
             return f"the step added tensors {sorted(diff.added_tensors)} that a freshly built layer lacks"
-        done = {name: value for (_, name), value in diff.changed_attrs.items()}
+        done = {name: value for (_, name), value in diff.changed_attrs.items() if name != zero_point}
         predicted = self.form(module)
         if done != predicted:
             return f"the step set {done}, not the layout {predicted} this restorer predicts for this machine"
@@ -71,6 +79,23 @@ class CpuWna16Restorer(Restorer):
     def replay(self, module, model_config):
         for flag, value in self.form(module).items():
             setattr(module, flag, value)
+        zero_point = _unset_zero_point(module)
+        if zero_point is not None:
+            setattr(module, zero_point, None)
+
+
+_MISSING = object()
+
+
+def _unset_zero_point(module: Any) -> str | None:
+    """The attribute vLLM's step sets to None on a layer without zero points whose zero points are not a
+    registered tensor (compressed-tensors' symmetric ``weight_zero_point``: a plain attribute, unlike GPTQ's
+    ``qzeros`` parameter); None where the step sets no such attribute."""
+    kernel = wna16_kernel(module)
+    name = kernel.w_zp_name
+    if kernel.config.zero_points or not name or name in module._parameters or name in module._buffers:
+        return None
+    return name
 
 
 register(CpuWna16Restorer())

@@ -19,6 +19,9 @@ def _all_subclasses(cls):
 
 def install_post_load_counter() -> collections.Counter:
     """Start counting; the returned counter fills as steps run, for every engine started afterwards."""
+    # the quant methods of the tiny kinds, imported before their classes are patched (vLLM imports them lazily)
+    import vllm.model_executor.layers.quantization.auto_awq  # noqa: F401
+    import vllm.model_executor.layers.quantization.auto_gptq  # noqa: F401
     import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
