@@ -53,6 +53,8 @@ SCRIPT = "tests/helpers/synthetic.py"
 #: One write of the synthetic checkpoint at this scale (~24 MB of tensors) takes ~0.2-0.8 s on 2 cores.
 SCALE = "4096"
 MANIFEST = "model" + MANIFEST_SUFFIX
+#: The writers' lock file (``write.manifest_lock``): it stays, empty, beside the manifest.
+LOCK = f".{MANIFEST}.lock"
 WAIT_S = 90.0  # generous ceiling for any single wait on a loaded machine
 
 STAGES = ("spawn", "tmp", "tensors", "manifest_tmp", "commit")
@@ -224,7 +226,7 @@ def kill_at(spawn, out: Path, anchor: str, delay: float) -> dict:
 def check_no_lookalikes(out: Path) -> list[str]:
     """Hidden leftovers must be ``.*.tmp`` and must not end like a checkpoint file; returns them (the writers'
     lock file, which stays, aside)."""
-    hidden = [n for n in os.listdir(out) if n.startswith(".") and n != f".{MANIFEST}.lock"]
+    hidden = [n for n in os.listdir(out) if n.startswith(".") and n != LOCK]
     for name in hidden:
         assert name.endswith(".tmp"), f"hidden leftover {name!r} is not a .tmp file"
         assert not name.endswith((MANIFEST_SUFFIX, TENSORS_SUFFIX)), f"leftover {name!r} looks like a checkpoint file"
@@ -308,7 +310,7 @@ def test_killed_first_save_leaves_nothing_loadable_or_a_complete_checkpoint(zygo
         orphans = sorted(n for n in os.listdir(out) if n.endswith(TENSORS_SUFFIX))
         for name in orphans:
             references.check_complete_tensor_file(out / name)
-        others = set(os.listdir(out)) - set(orphans) - set(hidden) - {MANIFEST, "config.json", f".{MANIFEST}.lock"}
+        others = set(os.listdir(out)) - set(orphans) - set(hidden) - {MANIFEST, "config.json", LOCK}
         assert not others, f"kill at {info}: unexpected files {others}"
         report = validate_checkpoint(out)
         if (out / MANIFEST).exists():
@@ -404,7 +406,7 @@ def test_killed_save_never_damages_a_good_checkpoint(zygote, references, tmp_pat
         assert len(extra) <= 1, f"kill at {info}: more than one unreferenced tensor file: {extra}"
         for name in tensors:
             references.check_complete_tensor_file(out / name)
-        others = set(os.listdir(out)) - set(tensors) - set(hidden) - {MANIFEST, "config.json"}
+        others = set(os.listdir(out)) - set(tensors) - set(hidden) - {MANIFEST, "config.json", LOCK}
         assert not others, f"kill at {info}: unexpected files {others}"
         outcome = (
             ("old" if is_old else f"new (save {seed})")
