@@ -81,10 +81,13 @@ class _Released:
 def remember_pre_step_attributes(model: torch.nn.Module) -> None:
     """Fork every module's plain attributes as they are before vLLM's step (a few small objects per layer).
     Installed in every vLLM process by the plugin (``vllm_integration.register``)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, Any] = {}  # by id: only objects the model keeps alive go in (never a temporary dict)
     for path, module in model.named_modules():
-        attributes = {name: value for name, value in vars(module).items() if name not in _CONTAINERS}
-        _PRE_STEP_ATTRIBUTES[module] = fork_state(attributes, memo, release_large=True, where=path)
+        _PRE_STEP_ATTRIBUTES[module] = {
+            name: fork_state(value, memo, release_large=True, where=path)
+            for name, value in vars(module).items()
+            if name not in _CONTAINERS
+        }
 
 
 def fork_state(value: Any, memo: dict[int, Any], release_large: bool = False, where: str = "") -> Any:
