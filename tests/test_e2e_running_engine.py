@@ -22,9 +22,10 @@ pytestmark = pytest.mark.e2e
 
 KINDS = [kind_param("llama"), kind_param("w8a8-int8"), kind_param("w8a8-int8-static"), kind_param("qwen3-moe")]
 
-#: Kinds whose engine vLLM 0.32's own ``reload_weights`` leaves answering differently from one request to the
-#: next (W8A8-int8 on CPU, dynamic and static activations, seen without any save): the save's refusal is still
-#: checked there, its leaving the engine as it was cannot be.
+#: Kinds whose engine vLLM 0.32's own ``reload_weights`` may leave answering differently from one request to
+#: the next (W8A8-int8 on CPU, dynamic and static activations, seen without any save, though not on every
+#: run): the save's refusal is always checked there; its leaving the engine as it was, whenever vLLM's reload
+#: left the engine stable.
 RELOAD_UNSTABLE_IN_VLLM = {"w8a8-int8", "w8a8-int8-static"}
 
 
@@ -89,8 +90,7 @@ def test_an_engine_updated_by_vllms_reload_weights_is_refused_and_left_as_it_was
     assert result["reload_weights"] is None, result["reload_weights"]
     message = _refused(result, "reload-weights", "NotReproducibleError")
     assert "layers.1.post_attention_layernorm.weight" in message
-    if result["kind"] in RELOAD_UNSTABLE_IN_VLLM:
-        assert not result["stable"]["reload-weights"], "vLLM's reload is stable here now: drop the exception"
-    else:
-        assert result["stable"]["reload-weights"]
+    if result["stable"]["reload-weights"]:
         assert result["unchanged_by_save"]["reload-weights"]
+    else:  # vLLM's reload alone left the engine unstable: the save's effect cannot be told from it
+        assert result["kind"] in RELOAD_UNSTABLE_IN_VLLM, "vLLM's reload left this engine answering unstably"
