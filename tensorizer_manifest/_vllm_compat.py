@@ -12,6 +12,7 @@ ranks, the model class), so that each is written once.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      ("model", "model_config", "target_device")),
     ("vllm.model_executor.model_loader.default_loader", "safetensors_weights_iterator", ()),
+    ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader._init_ep_weight_filter",
+     ("self", "model_config")),
     ("vllm.model_executor.model_loader.weight_utils", "should_skip_weight", ()),
     ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint", ()),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
@@ -349,6 +352,36 @@ def parallel_ranks() -> tuple[int, int]:
     if not parallel_state.model_parallel_is_initialized():
         return 0, 0
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+
+
+def apply_expert_parallel_filter(loader: Any, vllm_config: Any) -> None:
+    """What vLLM's default loader does before it reads (``load_weights``): with expert parallelism, only this
+    rank's experts' weights are read (``loader.local_expert_ids``)."""
+    from vllm.config import set_current_vllm_config
+
+    loaders = "vllm.model_executor.model_loader.default_loader"
+    init_filter = private(loaders, "DefaultModelLoader._init_ep_weight_filter")
+    with set_current_vllm_config(vllm_config):
+        init_filter(loader, vllm_config.model_config)
+
+
+def shared_save_id() -> str | None:
+    """A random id every rank of this engine's model gets the same of (tensor and pipeline parallel): the first
+    rank's, broadcast along the pipeline, then across each stage's tensor-parallel group. None for one rank.
+    Every rank must call it (a save does, through ``collective_rpc``)."""
+    import torch
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    groups = (parallel_state.get_pp_group(), parallel_state.get_tp_group())
+    if all(group.world_size == 1 for group in groups):
+        return None
+    token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+    for group in groups:
+        if group.world_size > 1:
+            token = group.broadcast(token, src=0)
+    return bytes(token.tolist()).hex()
 
 
 def model_class_name(model_config: Any) -> str:

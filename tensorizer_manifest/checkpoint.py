@@ -18,6 +18,7 @@ from .errors import (
     CheckpointNotFoundError,
     CompatibilityError,
     ConfigurationError,
+    IntegrityError,
     ManifestError,
     NoManifestError,
     RemoteNotFoundError,
@@ -114,7 +115,7 @@ def no_manifest_error(tensor_file: FileLocation, source: str = "SOURCE_MODEL", s
 
 def check_named_tensor_file(manifest: Manifest, manifest_path: FileLocation, name: str) -> None:
     """A tensor file named by the user (vLLM's ``tensorizer_uri``) must be one the manifest beside it names."""
-    names = [manifest.tensor_file.path, *(form.tensor_file.path for form in manifest.added_forms)]
+    names = [manifest.tensor_file.path, *(form.tensor_file.path for _, form in manifest.readable_forms())]
     if name not in names:
         raise ConfigurationError(
             f"tensorizer_uri names {name}, but the manifest beside it ({manifest_path}) names its tensor file "
@@ -261,6 +262,34 @@ def load_manifest(
     if size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{manifest_path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
     return decode_manifest(manifest_path.read_bytes(), source=str(manifest_path)), manifest_path
+
+
+def check_one_save(
+    manifest: Manifest, stem: str, checkpoint: str | Path | RemoteDir, remote: RemoteOptions | None = None
+) -> None:
+    """A sharded checkpoint's ranks come from one save (``Manifest.save_id``): the other ranks' manifests are
+    read (only they) and a mix is an ``IntegrityError`` naming the ranks of each save, before any tensor is
+    read. Each rank of a save commits its own manifest, so a save that failed on some ranks after others
+    committed leaves such a mix. Ranks that all predate save ids (None) pass."""
+    layout = parallel_layout(stem)
+    if layout is None or layout == (1, 1):
+        return
+    tp_size, pp_size = layout
+    by_save: dict[str | None, list[str]] = {}
+    for pp_rank in range(pp_size):
+        for tp_rank in range(tp_size):
+            other = checkpoint_stem(tp_rank, tp_size, pp_rank, pp_size)
+            save_id = manifest.save_id if other == stem else load_manifest(checkpoint, other, remote)[0].save_id
+            by_save.setdefault(save_id, []).append(other)
+    if len(by_save) > 1:
+        saves = "; ".join(
+            f"{', '.join(stems)} by {'save ' + save_id if save_id else 'a save without an id (an older version)'}"
+            for save_id, stems in by_save.items()
+        )
+        raise IntegrityError(
+            f"{checkpoint}: its ranks were written by different saves ({saves}): a sharded save failed on some "
+            "ranks after the others had committed. Nothing was loaded; save the checkpoint again"
+        )
 
 
 def read_manifest(

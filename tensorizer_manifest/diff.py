@@ -87,7 +87,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
 def _added_forms(manifest: Manifest) -> dict[str, list[dict]]:
     """Per layer, the forms other engines added: each one's recorded form and the CPU features it was made on."""
     by_path: dict[str, list[dict]] = {}
-    for form in manifest.added_forms:
+    for _, form in manifest.readable_forms():
         for record in form.modules:
             by_path.setdefault(record.path, []).append({"form": record.form, "on": form.fingerprint.cpu_features})
     return by_path

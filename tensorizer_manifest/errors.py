@@ -37,7 +37,8 @@ class ManifestError(TensorizerManifestError, ValueError):
 
 
 class ManifestVersionError(ManifestError):
-    """The manifest was written by a format version this package cannot read."""
+    """The manifest was written by a format version this package cannot read (or, for one added form, a form
+    another version wrote that this one does not use: the form alone is skipped)."""
 
 
 class CheckpointNotFoundError(TensorizerManifestError, FileNotFoundError):

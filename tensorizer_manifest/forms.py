@@ -137,7 +137,9 @@ def choose_forms(
     if not any(m.fallback for m in manifest.modules):
         return FormChoice(manifest)
     built = dict(model.named_modules())
-    added_by_path = [form.module_map() for form in manifest.added_forms]
+    added_by_path: list[dict[str, ModuleRecord]] = [{} for _ in manifest.added_forms]
+    for index, form in manifest.readable_forms():
+        added_by_path[index] = form.module_map()
     modules: list[ModuleRecord] = []
     fallbacks: list[Fallback] = []
     added: dict[str, int] = {}
@@ -152,7 +154,7 @@ def choose_forms(
             processed += 1
             modules.append(msgspec.structs.replace(record, fallback=[]))
             continue
-        for index, form in enumerate(manifest.added_forms):
+        for index, form in manifest.readable_forms():
             other = added_by_path[index].get(record.path)
             fits = other is not None and why_not_processed(other, module, form.fingerprint, current) is None
             if fits and usable(index):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import msgspec
 
-from .schema import Manifest, ModuleRecord
+from .schema import AddedForm, Manifest, ModuleRecord
 
 
 def _short(qualified: str | None) -> str:
@@ -91,8 +91,11 @@ def summary(manifest: Manifest) -> dict:
                 "vllm_version": f.fingerprint.vllm_version,
                 "cpu_features": f.fingerprint.cpu_features,
             }
+            if isinstance(f, AddedForm)
+            else {"unreadable": f.reason}
             for f in manifest.added_forms
         ],  # fmt: skip
+        "save_id": manifest.save_id,
         "replay": dict(sorted(replays.items())),
     }
 
@@ -109,7 +112,7 @@ def _fallback_cell(forms: list[dict]) -> str:
 def added_records(manifest: Manifest) -> dict[str, list[tuple[int, ModuleRecord]]]:
     """Per layer, the records of the forms other engines added for it, with their index."""
     by_path: dict[str, list[tuple[int, ModuleRecord]]] = {}
-    for index, form in enumerate(manifest.added_forms):
+    for index, form in manifest.readable_forms():
         for record in form.modules:
             by_path.setdefault(record.path, []).append((index, record))
     return by_path
@@ -159,6 +162,9 @@ def render(manifest: Manifest, source: str, console) -> None:
             "loaded processed where their form fits, through vLLM's step elsewhere"
         )
     for index, form in enumerate(s["added_forms"]):
+        if "unreadable" in form:
+            console.print(f"added form {index}: not read by this version, loaders skip it: {form['unreadable']}")
+            continue
         console.print(
             f"added form {index}: {form['layers']} layers in {form['tensor_file']} ({form['bytes']:,} bytes), made "
             f"by vLLM {form['vllm_version']} on {', '.join(form['cpu_features']) or 'a device'}"

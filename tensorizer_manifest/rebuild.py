@@ -492,6 +492,7 @@ def capture_running_engine(
         )
     device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
     loader = DefaultModelLoader(replace(load_config, model_loader_extra_config={}))
+    _vllm_compat.apply_expert_parallel_filter(loader, vllm_config)  # as the engine read them: its experts only
     rebuilder = Rebuilder(model, model_config, device, policy, spill_dir)
     try:
         # vLLM's loader runs every step under the model's dtype as torch's default: a step reads it (W8A8-int8's

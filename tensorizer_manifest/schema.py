@@ -261,9 +261,34 @@ class AddedForm(_Struct, kw_only=True):
     tensor_file: TensorFileRef
     modules: list[ModuleRecord]
     """One processed record per layer it covers (each a layer of the manifest with a raw fallback)."""
+    base: ContentHash | None = None
+    """``form_base`` of the layers it covers when it was made: the raw fallbacks it was made from. A loader uses
+    the form only while the manifest's fallbacks for those layers are still these (a form without it is
+    skipped)."""
 
     def module_map(self) -> dict[str, ModuleRecord]:
         return {m.path: m for m in self.modules}
+
+
+class UnreadableForm:
+    """An added form this version cannot decode: a field, or a value, that a newer tensorizer-manifest wrote.
+
+    It is never used (a loader skips it, saying ``reason``), and it is kept as its compact JSON, so that the
+    seal still matches and a writer that re-seals the manifest (``add-form``) carries it over unchanged: one
+    writer never drops another's work. Decoding forms one by one is what lets a form gain a field without
+    making every older reader refuse the whole checkpoint."""
+
+    __slots__ = ("raw", "reason")
+
+    def __init__(self, raw: bytes, reason: str):
+        self.raw = msgspec.Raw(raw)
+        self.reason = reason
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnreadableForm) and bytes(self.raw) == bytes(other.raw)
+
+    def __repr__(self) -> str:
+        return f"UnreadableForm({self.reason!r})"
 
 
 class Manifest(_Struct, kw_only=True):
@@ -276,7 +301,12 @@ class Manifest(_Struct, kw_only=True):
     """None in manifests written by 0.2.0 and older: loadable, reported as not sealed."""
     added_forms: list[AddedForm] = []
     """Format version 2. Processed forms that other engines added (``add-form``), oldest first. Left out of
-    the encoding while empty (``_encode``)."""
+    the encoding while empty (``_encode``). ``decode_manifest`` puts an ``UnreadableForm`` where a form cannot
+    be decoded by this version (``readable_forms``)."""
+    save_id: str | None = None
+    """Format version 2. Shared by every rank's manifest of one sharded save (tensor or pipeline parallel):
+    a loader refuses ranks of different saves (a save whose rank failed) before reading. None for one rank,
+    and left out of the encoding while None."""
 
     def module_map(self) -> dict[str, ModuleRecord]:
         return {m.path: m for m in self.modules}
@@ -290,6 +320,10 @@ class Manifest(_Struct, kw_only=True):
         """The raw fallbacks' records, named ``fallback_name(full name)``, in manifest order."""
         return [(fallback_name(full_name(m.path, t.name)), t) for m in self.modules for t in m.fallback]
 
+    def readable_forms(self) -> list[tuple[int, AddedForm]]:
+        """The added forms this version can decode, with their index in ``added_forms``."""
+        return [(index, form) for index, form in enumerate(self.added_forms) if isinstance(form, AddedForm)]
+
 
 #: Prefix of a raw fallback tensor's full name (and key in the tensor file): it never names a module.
 FALLBACK_PREFIX = "fallback:"
@@ -302,9 +336,18 @@ def fallback_name(name: str) -> str:
 
 def required_format_version(manifest: Manifest) -> int:
     """The lowest format version that holds everything in ``manifest``: what it is written as."""
-    if manifest.added_forms or any(m.fallback for m in manifest.modules):
+    if manifest.added_forms or manifest.save_id is not None or any(m.fallback for m in manifest.modules):
         return FALLBACKS_FORMAT_VERSION
     return 1
+
+
+def form_base(manifest: Manifest, paths: Iterable[str]) -> str:
+    """What an added form of the layers ``paths`` is made from: the digest of those layers' raw fallback
+    records in ``manifest`` (names, forms and content hashes), in manifest order."""
+    covered = set(paths)
+    return digest_records(
+        (fallback_name(full_name(m.path, t.name)), t) for m in manifest.modules if m.path in covered for t in m.fallback
+    )
 
 
 def digest_records(ordered: Iterable[tuple[str, TensorRecord]]) -> str:
@@ -454,23 +497,56 @@ class _Header(msgspec.Struct, gc=False):
     format_version: object = None
 
 
-_encoder = msgspec.json.Encoder()
+class _FormsUndecoded(Manifest, kw_only=True):
+    """A manifest with its added forms left as JSON, each decoded on its own (``decode_manifest``)."""
+
+    added_forms: list[msgspec.Raw] = []
+
+
+def _unreadable_as_json(obj: object) -> msgspec.Raw:
+    if isinstance(obj, UnreadableForm):
+        return obj.raw
+    raise NotImplementedError(f"{type(obj).__name__} is not part of a manifest")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_unreadable_as_json)
 _decoder = msgspec.json.Decoder(Manifest)
+_forms_undecoded_decoder = msgspec.json.Decoder(_FormsUndecoded)
+_form_decoder = msgspec.json.Decoder(AddedForm)
 _header_decoder = msgspec.json.Decoder(_Header)
 
-#: An empty ``fallback`` and an empty ``added_forms``, as msgspec writes them: each the last field of its struct,
-#: so ``}`` follows. Inside a JSON string every ``"`` is escaped, so these bytes only ever occur as those fields.
+#: An empty ``fallback`` and an empty ``added_forms``, as msgspec writes them: each the last field of its struct
+#: (``save_id``, when None, is taken off first), so ``}`` follows. Inside a JSON string every ``"`` is escaped, so
+#: these bytes only ever occur as those fields.
 _EMPTY_FALLBACK = b',"fallback":[]}'
 _NO_ADDED_FORMS = b',"added_forms":[]}'
+_NO_SAVE_ID = b',"save_id":null}'
 
 
 def _encode(manifest: Manifest) -> bytes:
-    """Compact JSON with every empty ``fallback`` and an empty ``added_forms`` left out: a manifest without
-    them encodes, byte for byte, as version 1 did (its seal still matches, and version-1 readers, which refuse
-    unknown fields, read it). msgspec has no per-field ``omit_defaults``; each field is last in its struct, so
+    """Compact JSON with every empty ``fallback``, an empty ``added_forms``, a None ``save_id`` and an added
+    form's None ``base`` left out: a manifest without them encodes, byte for byte, as it did before they
+    existed (its seal still matches, and older readers, which refuse unknown fields, read it). msgspec has no
+    per-field ``omit_defaults``; each field is last in its struct once the ones after it are taken off, so
     this is exact."""
+    if any(isinstance(form, AddedForm) and form.base is None for form in manifest.added_forms):
+        forms = [_without_base(form) if isinstance(form, AddedForm) else form for form in manifest.added_forms]
+        manifest = msgspec.structs.replace(manifest, added_forms=forms)
     data = _encoder.encode(manifest).replace(_EMPTY_FALLBACK, b"}")
-    return data[: -len(_NO_ADDED_FORMS)] + b"}" if data.endswith(_NO_ADDED_FORMS) else data
+    for absent in (_NO_SAVE_ID, _NO_ADDED_FORMS):
+        if data.endswith(absent):
+            data = data[: -len(absent)] + b"}"
+    return data
+
+
+def _without_base(form: AddedForm) -> AddedForm | dict:
+    """A form that records no base, as forms were before ``base`` (a dict in field order encodes as the struct
+    did): so the seals of those manifests still match."""
+    if form.base is not None:
+        return form
+    fields = msgspec.structs.asdict(form)
+    del fields["base"]
+    return fields
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -500,15 +576,36 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         _refuse_a_newer_format(_format_version_of(data), source)
-        raise ManifestError(
-            f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
-        ) from None
+        manifest = _decode_forms_one_by_one(data)
+        if manifest is None:
+            raise ManifestError(
+                f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
+            ) from None
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
     except RecursionError:
         raise ManifestError(f"{source}: JSON nested too deeply to be a manifest") from None
     _refuse_a_newer_format(manifest.format_version, source)
     return manifest
+
+
+def _decode_forms_one_by_one(data: bytes) -> Manifest | None:
+    """The manifest with each added form this version cannot decode as an ``UnreadableForm``; None where the
+    problem is outside the added forms (or the document is not one)."""
+    try:
+        undecoded = _forms_undecoded_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    forms: list[AddedForm] = []
+    for raw in undecoded.added_forms:
+        compact = msgspec.json.format(bytes(raw), indent=-1)  # what the writer sealed: its compact encoding
+        try:
+            forms.append(_form_decoder.decode(compact))
+        except msgspec.ValidationError as exc:
+            reason = f"this version of tensorizer-manifest cannot read it ({exc}): a newer one wrote it, or damaged"
+            forms.append(UnreadableForm(compact, reason))  # type: ignore[arg-type]
+    fields = {f: getattr(undecoded, f) for f in Manifest.__struct_fields__}
+    return Manifest(**{**fields, "added_forms": forms})
 
 
 def _format_version_of(data: bytes) -> object:

@@ -44,6 +44,7 @@ from .errors import (
     CompatibilityError,
     ConfigurationError,
     IntegrityError,
+    ManifestVersionError,
     RemoteStorageError,
     TensorizerManifestError,
 )
@@ -78,7 +79,7 @@ def check_files(
     ValidationReport(
         manifest_path, None, problems=tuple(p for found in form_problems for p in found)
     ).raise_for_problems()
-    forms = zip((form.tensor_file for form in manifest.added_forms), forms_by_key, strict=True)
+    forms = [(form.tensor_file, forms_by_key[index]) for index, form in manifest.readable_forms()]
     refs = [(manifest.tensor_file, by_key), *forms]
     files = [(ref, resolve_tensor_file(manifest, manifest_path, ref), keys) for ref, keys in refs]
     problems = [p for ref, tensor_path, keys in files for p in check_tensor_file(ref, tensor_path, keys)]
@@ -253,21 +254,24 @@ def validate_checkpoint(
         manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
     )
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
-    problems += [p for found in form_problems for p in found]
+    # a form another version wrote, which this one does not use, is not damage: loaders skip it
+    other_version = [p for found in form_problems for p in found if p.kind is ManifestVersionError]
+    problems += [p for found in form_problems for p in found if p.kind is not ManifestVersionError]
     keys = check_encryption(manifest, encryption_key)
     if keys is not None and keys[0] is not ConfigurationError:  # a missing key is a warning here
         problems.insert(0, Problem(keys[0], str(manifest_path), keys[1]))
     warning = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
     warnings = [f"{manifest_path}: {warning}"] if warning else []
+    warnings += [f"{p}; loaders skip it" for p in other_version]
     if unchecked_seal:
         warnings.append(
             f"{manifest_path}: the seal was not checked: it is keyed from the encryption key; "
             "pass --encryption-key-file to check it"
         )
-    records = len(manifest.ordered_records()) + sum(len(m.tensors) for f in manifest.added_forms for m in f.modules)
+    readable = manifest.readable_forms()
+    records = len(manifest.ordered_records()) + sum(len(m.tensors) for _, f in readable for m in f.modules)
     stored = len(by_key) + sum(len(keys) for keys in forms_by_key)
-    forms = zip(manifest.added_forms, forms_by_key, strict=True)
-    refs = [(manifest.tensor_file, by_key)] + [(form.tensor_file, keys) for form, keys in forms]
+    refs = [(manifest.tensor_file, by_key)] + [(form.tensor_file, forms_by_key[index]) for index, form in readable]
     files = []
     for ref, keys in refs:
         try:

@@ -28,6 +28,7 @@ from ._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT, SPILL_DI
 from .capture import Capture, CapturePolicy, FallbackRecorder, Recorder
 from .checkpoint import (
     check_named_tensor_file,
+    check_one_save,
     checkpoint_stem,
     encryption_key_from,
     load_manifest,
@@ -272,6 +273,7 @@ class ManifestModelLoader(BaseModelLoader):
             ) from None
         if named_file is not None and stem == checkpoint_stem():
             check_named_tensor_file(manifest, manifest_path, named_file)
+        check_one_save(manifest, stem, checkpoint, options.remote())
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
@@ -312,8 +314,7 @@ class ManifestModelLoader(BaseModelLoader):
             forms = choose_forms(manifest, model, fingerprint, readers.usable)
             forms = dataclasses.replace(forms, skipped_forms=dict(readers.skipped))
             for index, reason in sorted(forms.skipped_forms.items()):
-                logger.warning("added form %d (%s) is skipped, its layers load their next choice: %s",
-                               index, manifest.added_forms[index].tensor_file.path, reason)  # fmt: skip
+                logger.warning("added form %d is skipped, its layers load their next choice: %s", index, reason)
             manifest = forms.manifest  # one form a layer from here on: the reader skips the other's bytes
             check_model(manifest, model)  # before a byte of weights is read
             clock.lap("check_model")
@@ -474,7 +475,11 @@ class ManifestWorkerExtension:
         The tensor data is encrypted with the key in ``encryption_key_file`` (else
         ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY``). ``progress`` draws a bar of the
         write on stderr (rank 0, on a terminal).
+
+        The ranks of a sharded engine agree on one save id first (``Manifest.save_id``), so that a loader
+        refuses a checkpoint where one rank's save failed and the others' committed.
         """
+        save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
         signing_key = signing_key_from(signing_key_file)
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
@@ -492,6 +497,7 @@ class ManifestWorkerExtension:
                     release=not keep_capture,
                     encryption_key=encryption_key,
                     progress=on_progress,
+                    save_id=save_id,
                 )
             source = Path(str(self.vllm_config.model_config.model))
             if _first_rank() and source.is_dir():  # so that vLLM's `model` can be the checkpoint itself

@@ -46,6 +46,7 @@ from .schema import (
     digest_records,
     encode_manifest,
     fallback_name,
+    form_base,
     full_name,
     manifest_generation,
     qualified_class,
@@ -147,6 +148,7 @@ def write_checkpoint(
     release: bool = False,
     encryption_key: EncryptionKey | None = None,
     progress: ProgressCallback | None = None,
+    save_id: str | None = None,
 ) -> Manifest:
     """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
 
@@ -169,7 +171,7 @@ def write_checkpoint(
 
     ``release`` closes the capture's pre-step copies as soon as the tensor file is
     written, so that their dirty pages are dropped instead of competing with the
-    ``fsync`` for the disk.
+    ``fsync`` for the disk. ``save_id`` is the id every rank of a sharded save shares (``Manifest.save_id``).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     started_from = current_generation(out_dir / (stem + MANIFEST_SUFFIX))
@@ -178,6 +180,8 @@ def write_checkpoint(
     tensor_name = _write_tensors(
         out_dir, stem, manifest.tensor_file, to_store, encryption_key, progress, capture.close if release else None
     )
+    manifest.save_id = save_id
+    manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
     with manifest_lock(out_dir, stem):
         commit_manifest(out_dir, stem, manifest, started_from, locked=True)
@@ -216,8 +220,9 @@ def write_added_form(
     _remove_orphaned_temporaries(checkpoint_dir, stem)
     form, to_store = build_manifest(capture, "")
     _write_tensors(checkpoint_dir, stem, form.tensor_file, to_store, encryption_key)
+    covered = form_base(base, (layer.path for layer in form.modules))
     manifest.added_forms.append(
-        AddedForm(fingerprint=capture.fingerprint, tensor_file=form.tensor_file, modules=form.modules)
+        AddedForm(fingerprint=capture.fingerprint, tensor_file=form.tensor_file, modules=form.modules, base=covered)
     )
     manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)

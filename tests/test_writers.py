@@ -281,3 +281,90 @@ def test_two_writers_of_one_s3_manifest_at_once_one_commits_the_other_is_told(mo
     assert sorted(results) == ["ConcurrentWriteError", "committed"], results
     winner = sources[1 + results.index("committed")]
     assert RemoteFile(uri, options).read_bytes() == winner.read_bytes()
+
+
+def _seal_as_its_writer_would(document: dict) -> dict:
+    """The ``digest`` seal of a manifest document, computed from the JSON alone (what any version's writer seals:
+    its compact encoding with the seal null, and ``tensor_file.encryption`` left out while ``none``)."""
+    import blake3
+    import msgspec
+
+    sealed = json.loads(json.dumps(document))
+    sealed["seal"] = None
+    if sealed["tensor_file"].get("encryption") == "none":
+        del sealed["tensor_file"]["encryption"]
+    data = b"tensorizer-manifest seal v1 digest\n" + msgspec.json.encode(sealed)
+    return {"mode": "digest", "hash": "blake3:" + blake3.blake3(data).hexdigest()}
+
+
+def test_a_form_a_newer_version_added_is_skipped_by_loaders_and_kept_by_every_writer(tmp_path):
+    """A form gains a field in a newer version: this one skips that form alone (never the checkpoint), and an
+    add-form made here keeps it byte for byte under a seal that still matches."""
+    from tensorizer_manifest.schema import UnreadableForm
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
+    document = json.loads((checkpoint / MANIFEST).read_bytes())
+    document["added_forms"][0]["made_by"] = {"a_field_of_a_newer_version": [1, "two"]}
+    document["seal"] = _seal_as_its_writer_would(document)
+    (checkpoint / MANIFEST).write_text(json.dumps(document, indent=3))  # another writer's layout: seal unaffected
+
+    manifest = read_manifest(checkpoint)
+    (newer,) = manifest.added_forms
+    assert isinstance(newer, UnreadableForm) and "made_by" in newer.reason
+    report = validate_checkpoint(checkpoint)
+    assert report.ok, report.problems  # the seal matched: the form was kept as it was written
+    assert [w for w in report.warnings if "added form 0" in w and "cannot read it" in w and "loaders skip it" in w]
+
+    write.write_added_form(experts_form_capture(7), checkpoint, "model", manifest)
+    after = json.loads((checkpoint / MANIFEST).read_bytes())
+    assert len(after["added_forms"]) == 2 and after["added_forms"][0] == document["added_forms"][0]
+    assert after["seal"] == _seal_as_its_writer_would(after)
+    assert validate_checkpoint(checkpoint).ok
+
+
+def test_a_form_is_used_only_over_the_fallbacks_it_was_made_from(tmp_path):
+    """A form records the fallbacks it was made from (``base``): moved over other fallbacks (a re-save of other
+    weights), it is named and skipped, and says how to get it back."""
+    from tensorizer_manifest.schema import form_base, seal_manifest
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    with_form = write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
+    (form,) = with_form.added_forms
+    assert form.base == form_base(with_form, ["model.layers.0.mlp.experts"])
+    assert validate_checkpoint(checkpoint).ok
+
+    other = write_synthetic_checkpoint(tmp_path / "other", seed=5, fallbacks=True)
+    resaved = read_manifest(other)
+    assert form_base(resaved, ["model.layers.0.mlp.experts"]) != form.base
+    (other / form.tensor_file.path).write_bytes((checkpoint / form.tensor_file.path).read_bytes())
+    resaved.added_forms = [form]
+    resaved.seal = seal_manifest(resaved)
+    write._write_manifest(other, "model", resaved)
+    problems = validate_checkpoint(other).problems
+    assert [p.message for p in problems] == [
+        f"added form 0 ({form.tensor_file.path}) was made from other raw fallbacks than this manifest's (the "
+        "checkpoint was re-saved after it was added?): run add-form again"
+    ]
+
+
+def test_ranks_of_different_saves_are_refused_before_reading_naming_each_save(tmp_path):
+    """Each rank commits its own manifest; all ranks of one save share its id, and a loader refuses a mix (a
+    save that failed on some ranks after the others committed)."""
+    from tensorizer_manifest.checkpoint import check_one_save
+
+    stems = ["model-tp0-of-2", "model-tp1-of-2"]
+    first, second = "a" * 32, "b" * 32
+    for rank, stem in enumerate(stems):
+        write.write_checkpoint(make_capture(rank), tmp_path, stem, save_id=first)
+    rank0 = read_manifest(tmp_path, stems[0])
+    assert rank0.save_id == first and rank0.format_version == 2
+    check_one_save(rank0, stems[0], tmp_path)  # one save: passes
+    write.write_checkpoint(make_capture(9), tmp_path, stems[1], save_id=second)  # rank 1 alone saved again
+    for stem in stems:
+        with pytest.raises(IntegrityError, match=f"model-tp0-of-2 by save {first}; model-tp1-of-2 by save {second}"):
+            check_one_save(read_manifest(tmp_path, stem), stem, tmp_path)
+
+    one_rank = write_synthetic_checkpoint(tmp_path / "one")
+    assert b"save_id" not in (one_rank / MANIFEST).read_bytes()  # one rank: no id, the manifest as before
+    assert read_manifest(one_rank).format_version == 1

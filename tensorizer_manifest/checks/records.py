@@ -10,6 +10,7 @@ from ..checkpoint import (
 from ..errors import (
     IntegrityError,
     ManifestError,
+    ManifestVersionError,
     TensorizerManifestError,
 )
 from ..restorers import known_replays
@@ -23,9 +24,11 @@ from ..schema import (
     SigningKey,
     TensorFileRef,
     TensorRecord,
+    UnreadableForm,
     digest_line,
     digest_of_lines,
     fallback_name,
+    form_base,
     full_name,
     required_format_version,
 )
@@ -162,9 +165,11 @@ def check_manifest(
 
 
 def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[list[list[Problem]], list[dict]]:
-    """Each added form's records: processed layers of the manifest that have a fallback, checked as the main
-    file's are and bound to its own tensor file. Returns, per form, its problems and its stored records by key
-    (a loader skips a form with problems; ``validate`` reports them)."""
+    """Each added form's records: processed layers of the manifest that have a fallback, made from the fallbacks
+    the manifest holds now (``AddedForm.base``), checked as the main file's are and bound to its own tensor
+    file. Returns, per form, its problems and its stored records by key (a loader skips a form with problems;
+    ``validate`` reports them). A form this version cannot decode (``UnreadableForm``) has one problem, its
+    reason."""
     where = str(manifest_path)
     layers = manifest.module_map()
     known = known_replays()
@@ -177,7 +182,23 @@ def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[
         def problem(kind: type[TensorizerManifestError], message: str, problems=problems) -> None:
             problems.append(Problem(kind, where, message))
 
+        if isinstance(form, UnreadableForm):
+            problem(ManifestVersionError, f"added form {index}: {form.reason}")
+            by_key.append({})
+            continue
         what = f"added form {index} ({form.tensor_file.path})"
+        if form.base is None:
+            problem(
+                ManifestVersionError,
+                f"{what} does not record the raw fallbacks it was made from (an older version added it): run "
+                "add-form again to use it",
+            )
+        elif form.base != form_base(manifest, (m.path for m in form.modules)):
+            problem(
+                ManifestError,
+                f"{what} was made from other raw fallbacks than this manifest's (the checkpoint was re-saved "
+                "after it was added?): run add-form again",
+            )
         records = _Records(problem)
         seen: set[str] = set()
         for module in form.modules:

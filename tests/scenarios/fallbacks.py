@@ -13,9 +13,11 @@ Usage: python tests/scenarios/fallbacks.py CHECKPOINT WORKDIR KIND [--as-saved-o
   machine's (an engine of its own, before the counted loads): those layers must load that form, processed.
   ``add-form-float16`` is the same ``add_form`` with another dtype than the saved one: refused.
 - ``added-form-unused``: the added-form checkpoint with the saved forms fitting here again and the added
-  form's file deleted: loads processed, the form never opened. ``added-form-missing``, ``-truncated`` and
-  ``-unknown-replay`` (a restorer of a newer version): the form is skipped, said in vLLM's log and the
-  report, and those layers load through their fallbacks.
+  form's file deleted: loads processed, the form never opened. ``added-form-missing``, ``-truncated``,
+  ``-unknown-replay`` (a restorer of a newer version), ``-newer-field`` (a field of a newer version, sealed
+  as that version would) and ``-other-base`` (made from other raw fallbacks than the manifest's, as a form
+  added before a re-save): the form is skipped, said in vLLM's log and the report, and those layers load
+  through their fallbacks.
 - ``s3-added-form`` (with ``TM_TEST_S3_ENDPOINT``, ``_KEY_ID``, ``_SECRET``): the other machine's checkpoint
   on S3, ``add_form`` on its URI, loaded from there.
 
@@ -38,6 +40,27 @@ NEWER_RESTORER = "restorer_from_a_newer_version"
 def _a_newer_versions_restorer(manifest) -> None:
     for module in manifest.added_forms[0].modules:
         module.replay = NEWER_RESTORER
+
+
+def _a_newer_versions_field(checkpoint: Path) -> None:
+    """Give the first added form a field this version does not know, and seal the manifest again, as the newer
+    version that wrote the field would."""
+    import msgspec
+
+    from tensorizer_manifest import schema
+
+    path = checkpoint / "model.manifest.json"
+    document = msgspec.json.decode(path.read_bytes())
+    document["added_forms"][0]["made_by"] = {"a_field_of_a_newer_version": True}
+    manifest = schema.decode_manifest(msgspec.json.encode(document))
+    assert isinstance(manifest.added_forms[0], schema.UnreadableForm), manifest.added_forms[0]
+    manifest.seal = schema.seal_manifest(manifest)
+    path.unlink()  # a hard link: write a file of its own
+    path.write_bytes(schema.encode_manifest(manifest))
+
+
+def _made_from_other_fallbacks(manifest) -> None:
+    manifest.added_forms[0].base = "blake3:" + "0" * 64
 
 
 def _edit_form_file(checkpoint: Path, how: str) -> None:
@@ -106,6 +129,11 @@ def main() -> None:
         cases["added-form-unknown-replay"] = edited_copy(
             added, workdir / f"{kind}-added-form-unknown-replay", _a_newer_versions_restorer
         )
+        cases["added-form-newer-field"] = edited_copy(added, workdir / f"{kind}-added-form-newer-field", lambda m: None)
+        _a_newer_versions_field(cases["added-form-newer-field"])
+        cases["added-form-other-base"] = edited_copy(
+            added, workdir / f"{kind}-added-form-other-base", _made_from_other_fallbacks
+        )
         refused = edited_copy(checkpoint, workdir / f"{kind}-add-form-float16", as_the_other_machine)
         try:
             add_form(refused, engine_args={"dtype": "float16"})
@@ -170,7 +198,7 @@ def main() -> None:
             {"tensor_file": f.tensor_file.path, "cpu_features": f.fingerprint.cpu_features,
              "layers": {m.path: {"keys": [t.key for t in m.tensors if t.key and not t.alias_of], "form": m.form,
                                  "hashes": {t.name: t.hash for t in m.tensors}} for m in f.modules}}
-            for f in manifest.added_forms
+            for _, f in manifest.readable_forms()
         ]  # fmt: skip
         result[name] = entry
     print("FALLBACKS_RESULT " + json.dumps(result))

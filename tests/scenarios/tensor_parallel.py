@@ -1,5 +1,9 @@
 """Tensor parallel (TP=2) on CPU: save one tensor file and manifest per rank, load them back.
 
+Then a re-save whose rank 1 fails at its commit (its lock file cannot be opened: a file system error on one
+rank) after rank 0 committed: the checkpoint's ranks come from two saves, and loading it is refused before any
+tensor is read, naming both.
+
 Usage: python tests/scenarios/tensor_parallel.py WORKDIR. Prints ``TP_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
 """
@@ -10,10 +14,14 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
+
 
 def main() -> None:
     workdir = sys.argv[1]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    from helpers.errors import error_chain
+
     from tensorizer_manifest.checkpoint import load_manifest
     from tensorizer_manifest.demo import generate_tokens
     from tensorizer_manifest.save import save_checkpoint
@@ -40,12 +48,29 @@ def main() -> None:
                 "rank": manifest.fingerprint.tensor_parallel_rank,
                 "size": manifest.fingerprint.tensor_parallel_size,
                 "digest": manifest.tensor_file.digest,
+                "save_id": manifest.save_id,
             }
         )
-    print(
-        "TP_RESULT " + json.dumps({"reference": reference, "tokens": tokens, "saved": saved.ranks, "ranks": ranks}),
-        flush=True,
-    )
+    result = {"reference": reference, "tokens": tokens, "saved": saved.ranks, "ranks": ranks}
+
+    blocked = os.path.join(out, ".model-tp1-of-2.manifest.json.lock")
+    os.unlink(blocked)
+    os.mkdir(blocked)  # rank 1 cannot take its commit lock; rank 0 can
+    try:
+        save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, tensor_parallel_size=2,
+                        engine_args={"distributed_executor_backend": "mp"})  # fmt: skip
+        result["failed_save"] = None
+    except Exception as exc:  # noqa: BLE001
+        result["failed_save"] = error_chain(exc)
+    result["save_ids_after_failure"] = [
+        load_manifest(os.path.join(out, f"model-tp{rank}-of-2.manifest.json"))[0].save_id for rank in range(2)
+    ]
+    try:
+        result["mixed_tokens"], _, _ = generate_tokens(out, "tensorizer_manifest", **engine)
+    except Exception as exc:  # noqa: BLE001
+        result["mixed_tokens"] = None
+        result["mixed_error"] = error_chain(exc)
+    print("TP_RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
