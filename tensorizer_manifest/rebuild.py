@@ -184,6 +184,7 @@ class Rebuilder:
         self.copies = PreStepCopies(self.spill)
         self.results: dict[str, CapturedLayer] = {}
         self.deferred: list[_Layer] = []
+        self._read_by_attention: set[int] = set()  # ids of the shadow's layers inside an attention layer
         self._owners: dict[int, list[_Layer]] = {}
         self._real: dict[int, torch.Tensor] = {}  # meta tensor id -> its materialized tensor (ties share one)
         self.layers: dict[str, _Layer] = {}
@@ -331,8 +332,10 @@ class Rebuilder:
         if QUANT_METHOD_STEP in steps:
             run_post_load_step(layer.shadow, QUANT_METHOD_STEP, self.model_config, self.device)
         layer.before = before
-        if ATTENTION_STEP in steps:
-            self.deferred.append(layer)  # vLLM runs attention steps after every quant-method step
+        if ATTENTION_STEP in steps or id(layer.shadow) in self._read_by_attention:
+            # vLLM runs attention steps after every quant-method step, and one may read (MLA: kv_b_proj's
+            # weight) or change (MLA on AMX empties it) a layer inside it: that layer is classified after them
+            self.deferred.append(layer)
         else:
             self._classify(layer)
 
@@ -405,7 +408,18 @@ class Rebuilder:
     # -- the whole model ---------------------------------------------------------------------------------------
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Feed the source weights to the model's own ``load_weights`` on the shadow, then finish every layer."""
+        """Feed the source weights to the model's own ``load_weights`` on the shadow, then finish every layer.
+
+        An attention step may read or change the weights of layers inside it (MLA's reads its ``kv_b_proj``):
+        those are classified, and their rebuilt tensors kept, until the attention steps have run, as the capture
+        loader sees them (after every step)."""
+        self._read_by_attention = {
+            id(inner)
+            for _, module, kind in post_load_steps(self.shadow)
+            if kind == ATTENTION_STEP
+            for inner in module.modules()
+            if inner is not module
+        }
         self.shadow.load_weights(weights)
         for layer in self.layers.values():
             if not layer.done:

