@@ -365,23 +365,44 @@ def apply_expert_parallel_filter(loader: Any, vllm_config: Any) -> None:
         init_filter(loader, vllm_config.model_config)
 
 
-def shared_save_id() -> str | None:
-    """A random id every rank of this engine's model gets the same of (tensor and pipeline parallel): the first
-    rank's, broadcast along the pipeline, then across each stage's tensor-parallel group. None for one rank.
-    Every rank must call it (a save does, through ``collective_rpc``)."""
-    import torch
+def _model_parallel_groups() -> list[Any]:
+    """This rank's pipeline-parallel group, then its tensor-parallel group, those with more than one rank: the
+    grid of one model's ranks (never the data-parallel replicas, which save nothing of their own)."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return None
+        return []
     groups = (parallel_state.get_pp_group(), parallel_state.get_tp_group())
-    if all(group.world_size == 1 for group in groups):
+    return [group for group in groups if group.world_size > 1]
+
+
+def shared_save_id() -> str | None:
+    """A random id every rank of this engine's model gets the same of (tensor and pipeline parallel): the first
+    rank's, broadcast along the pipeline, then across each stage's tensor-parallel group (gloo, on the CPU).
+    None for one rank. Every rank must call it (a save does, through ``collective_rpc``)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = _model_parallel_groups()
+    if not groups:
         return None
-    token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+    token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8).clone()
     for group in groups:
-        if group.world_size > 1:
-            token = group.broadcast(token, src=0)
+        dist.broadcast(token, src=group.ranks[0], group=group.cpu_group)
     return bytes(token.tolist()).hex()
+
+
+def every_rank_succeeded(succeeded: bool) -> bool:
+    """Whether every rank of this engine's model says ``succeeded``: the failures are summed along the pipeline,
+    then across each stage's tensor-parallel group, so every rank learns the total. Every rank must call it,
+    a failed one too (it votes False)."""
+    import torch
+    import torch.distributed as dist
+
+    failures = torch.tensor([0 if succeeded else 1], dtype=torch.int64)
+    for group in _model_parallel_groups():
+        dist.all_reduce(failures, group=group.cpu_group)
+    return int(failures.item()) == 0
 
 
 def model_class_name(model_config: Any) -> str:

@@ -45,7 +45,7 @@ from .progress import terminal_progress
 from .remote import CREDENTIAL_OPTIONS
 from .schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 from .validate import open_checked_forms
-from .write import copy_model_files, write_added_form, write_checkpoint
+from .write import copy_model_files, prepare_checkpoint, write_added_form
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
@@ -476,34 +476,49 @@ class ManifestWorkerExtension:
         ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY``). ``progress`` draws a bar of the
         write on stderr (rank 0, on a terminal).
 
-        The ranks of a sharded engine agree on one save id first (``Manifest.save_id``), so that a loader
-        refuses a checkpoint where one rank's save failed and the others' committed.
+        A sharded engine's ranks commit together or not at all: they agree on one save id first
+        (``Manifest.save_id``), each writes its tensor file and seals its manifest, and all vote before any
+        commits; a rank that failed votes no, and every rank's checkpoint stays as it was. A rank that fails in
+        its own commit, after the vote, leaves ranks of two saves, which every loader refuses (the save id).
         """
         save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
-        signing_key = signing_key_from(signing_key_file)
-        encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
-        if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
-            capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
-            keep_capture = False
+        prepared = None
         try:
-            with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
-                manifest = write_checkpoint(
-                    capture,
-                    Path(output_dir),
-                    capture.stem,
-                    signing_key,
-                    release=not keep_capture,
-                    encryption_key=encryption_key,
-                    progress=on_progress,
-                    save_id=save_id,
-                )
+            try:
+                signing_key = signing_key_from(signing_key_file)
+                encryption_key = encryption_key_from(encryption_key_file)
+                if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
+                    capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
+                    keep_capture = False
+                with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
+                    prepared = prepare_checkpoint(
+                        capture,
+                        Path(output_dir),
+                        capture.stem,
+                        signing_key,
+                        release=not keep_capture,
+                        encryption_key=encryption_key,
+                        progress=on_progress,
+                        save_id=save_id,
+                    )
+            finally:
+                # Every rank votes, a failed one too (its error goes on up): none commits unless all wrote their part.
+                if save_id is not None and not _vllm_compat.every_rank_succeeded(prepared is not None):
+                    if prepared is not None:
+                        prepared.abandon()
+                        raise TensorizerManifestError(
+                            f"{output_dir}: another rank of this engine failed to write its part of the save (its "
+                            f"error is raised beside this one); {capture.stem} committed nothing either, and the "
+                            "checkpoint is as it was"
+                        )
+            manifest = prepared.commit()
             source = Path(str(self.vllm_config.model_config.model))
             if _first_rank() and source.is_dir():  # so that vLLM's `model` can be the checkpoint itself
                 copy_model_files(source, Path(output_dir))
         finally:
-            if not keep_capture:
+            if capture is not None and not keep_capture:
                 if getattr(model, _CAPTURE_ATTR, None) is capture:
                     delattr(model, _CAPTURE_ATTR)
                 capture.close()

@@ -172,7 +172,59 @@ def write_checkpoint(
     ``release`` closes the capture's pre-step copies as soon as the tensor file is
     written, so that their dirty pages are dropped instead of competing with the
     ``fsync`` for the disk. ``save_id`` is the id every rank of a sharded save shares (``Manifest.save_id``).
+
+    It is ``prepare_checkpoint`` then ``PreparedCheckpoint.commit``: the ranks of a sharded save vote between
+    the two (``vllm_integration``), so that none commits unless all have written their part.
     """
+    return prepare_checkpoint(capture, out_dir, stem, signing_key, release, encryption_key, progress, save_id).commit()
+
+
+class PreparedCheckpoint:
+    """A checkpoint written but not committed: its tensor file is in place under its final name (named by no
+    manifest yet), its manifest sealed and held in memory. ``commit`` makes it the checkpoint; ``abandon``
+    removes the tensor file (unless the current manifest names it: a re-save of the same bytes)."""
+
+    def __init__(self, out_dir: Path, stem: str, manifest: Manifest, tensor_name: str, started_from: str | None):
+        self.out_dir, self.stem, self.manifest = out_dir, stem, manifest
+        self.tensor_name, self.started_from = tensor_name, started_from
+
+    def commit(self) -> Manifest:
+        """The compare-and-swap on the manifest found when the write began, then the stale tensor files go."""
+        with manifest_lock(self.out_dir, self.stem):
+            commit_manifest(self.out_dir, self.stem, self.manifest, self.started_from, locked=True)
+            for stale in self.out_dir.glob(f"{self.stem}.*{TENSORS_SUFFIX}"):  # no commit names them now
+                if stale.name != self.tensor_name:
+                    stale.unlink(missing_ok=True)
+        return self.manifest
+
+    def abandon(self) -> None:
+        """Nothing of this write stays, and the checkpoint is as it was."""
+        with manifest_lock(self.out_dir, self.stem):
+            current = self.out_dir / (self.stem + MANIFEST_SUFFIX)
+            try:
+                named = checkpoint_files(decode_manifest(current.read_bytes(), str(current)))
+            except (OSError, ManifestError):
+                named = set()
+            if self.tensor_name not in named:
+                (self.out_dir / self.tensor_name).unlink(missing_ok=True)
+
+
+def checkpoint_files(manifest: Manifest) -> set[str]:
+    """The tensor files a manifest names: its own and its readable added forms'."""
+    return {manifest.tensor_file.path, *(form.tensor_file.path for _, form in manifest.readable_forms())}
+
+
+def prepare_checkpoint(
+    capture: Capture,
+    out_dir: Path,
+    stem: str,
+    signing_key: SigningKey | None = None,
+    release: bool = False,
+    encryption_key: EncryptionKey | None = None,
+    progress: ProgressCallback | None = None,
+    save_id: str | None = None,
+) -> PreparedCheckpoint:
+    """``write_checkpoint`` up to its commit: the tensor file written and the manifest sealed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     started_from = current_generation(out_dir / (stem + MANIFEST_SUFFIX))
     _remove_orphaned_temporaries(out_dir, stem)
@@ -183,12 +235,7 @@ def write_checkpoint(
     manifest.save_id = save_id
     manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
-    with manifest_lock(out_dir, stem):
-        commit_manifest(out_dir, stem, manifest, started_from, locked=True)
-        for stale in out_dir.glob(f"{stem}.*{TENSORS_SUFFIX}"):  # under the lock: no commit names them now
-            if stale.name != tensor_name:
-                stale.unlink(missing_ok=True)
-    return manifest
+    return PreparedCheckpoint(out_dir, stem, manifest, tensor_name, started_from)
 
 
 def write_added_form(

@@ -23,6 +23,17 @@ def test_tp2_save_and_load_token_exact(result):
     assert len(save_ids) == 1 and None not in save_ids, "the ranks of one save share one id"
 
 
+def test_a_save_that_fails_on_one_rank_commits_on_none_and_leaves_the_checkpoint_as_it_was(result):
+    """Rank 1's rebuild refuses (its weight changed in place); rank 0 wrote its part, then the vote: neither
+    commits, and every manifest and tensor file is as it was (the checkpoint that loaded token-exact)."""
+    assert result["nudged"] == [None, "model.layers.0.post_attention_layernorm.weight"]
+    assert result["voted_down_save"] is not None, "a save with a changed rank committed"
+    output = result["_output"]
+    assert "model.layers.0.post_attention_layernorm.weight differs" in output  # rank 1's own refusal
+    assert "another rank of this engine failed to write its part of the save" in output  # rank 0 voted down
+    assert result["unchanged_by_voted_down_save"], result["files_before"]
+
+
 def test_a_save_that_failed_on_one_rank_after_another_committed_is_refused_at_load_naming_the_ranks(result):
     assert result["failed_save"] is not None and "Is a directory" in " ".join(result["failed_save"])
     first = result["ranks"][0]["save_id"]

@@ -368,3 +368,23 @@ def test_ranks_of_different_saves_are_refused_before_reading_naming_each_save(tm
     one_rank = write_synthetic_checkpoint(tmp_path / "one")
     assert b"save_id" not in (one_rank / MANIFEST).read_bytes()  # one rank: no id, the manifest as before
     assert read_manifest(one_rank).format_version == 1
+
+
+def test_a_prepared_save_abandoned_leaves_the_checkpoint_as_it_was(tmp_path):
+    """What a rank does when another rank of its save failed: its tensor file goes, unless the manifest in place
+    names it (a re-save of the same bytes has the same name), and no manifest changes."""
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", seed=1)
+    manifest_bytes = (checkpoint / MANIFEST).read_bytes()
+    named = read_manifest(checkpoint).tensor_file.path
+
+    other = write.prepare_checkpoint(make_capture(2), checkpoint, "model", save_id="c" * 32)
+    assert other.tensor_name != named and (checkpoint / other.tensor_name).is_file()
+    other.abandon()
+    assert not (checkpoint / other.tensor_name).exists()
+
+    same = write.prepare_checkpoint(make_capture(1), checkpoint, "model", save_id="d" * 32)
+    assert same.tensor_name == named
+    same.abandon()
+    assert (checkpoint / MANIFEST).read_bytes() == manifest_bytes
+    assert sorted(p.name for p in checkpoint.glob("*.tensors")) == [named]
+    assert validate_checkpoint(checkpoint).ok

@@ -1,8 +1,12 @@
 """Tensor parallel (TP=2) on CPU: save one tensor file and manifest per rank, load them back.
 
-Then a re-save whose rank 1 fails at its commit (its lock file cannot be opened: a file system error on one
-rank) after rank 0 committed: the checkpoint's ranks come from two saves, and loading it is refused before any
-tensor is read, naming both.
+Then two re-saves that fail on rank 1 only:
+- before the ranks vote: a running engine (vLLM's default loader) whose rank 1 has a weight changed in place
+  saves itself into the checkpoint; rank 1's rebuild refuses, rank 0 wrote its part but commits nothing, so
+  every file of the checkpoint stays byte for byte as it was (the checkpoint that loaded token-exact);
+- after the vote, in rank 1's own commit (its lock file cannot be opened: a file system error on one rank),
+  after rank 0 committed: the checkpoint's ranks come from two saves, and loading it is refused before any
+  tensor is read, naming both.
 
 Usage: python tests/scenarios/tensor_parallel.py WORKDIR. Prints ``TP_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
 
@@ -21,10 +26,12 @@ def main() -> None:
     workdir = sys.argv[1]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from helpers.errors import error_chain
+    from helpers.worker_tools import TEST_WORKER_EXTENSION
+    from vllm import LLM
 
     from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.save import save_checkpoint
+    from tensorizer_manifest.demo import engine_options, generate_tokens
+    from tensorizer_manifest.save import save_checkpoint, shutdown
     from tensorizer_manifest.tiny import build_tiny_model
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
@@ -52,6 +59,31 @@ def main() -> None:
             }
         )
     result = {"reference": reference, "tokens": tokens, "saved": saved.ranks, "ranks": ranks}
+
+    def files() -> dict[str, bytes | int]:
+        """The checkpoint's manifests by content and tensor files by size."""
+        return {
+            name: (Path(out, name).read_bytes() if name.endswith(".json") else Path(out, name).stat().st_size)
+            for name in sorted(os.listdir(out))
+            if name.endswith((".manifest.json", ".tensors"))
+        }
+
+    before = files()
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
+    llm = LLM(model=str(model_dir), **engine_options(worker_extension_cls=TEST_WORKER_EXTENSION, **engine))
+    try:
+        nudge = (1, "layers.0.post_attention_layernorm.weight", 0.5)  # rank 1 only
+        result["nudged"] = llm.collective_rpc("tm_test_add_to_weight", args=nudge)
+        try:
+            llm.collective_rpc("save_tensorizer_manifest", args=(out,))
+            result["voted_down_save"] = None
+        except Exception as exc:  # noqa: BLE001
+            result["voted_down_save"] = error_chain(exc)
+    finally:
+        shutdown(llm)
+    result["unchanged_by_voted_down_save"] = files() == before
+    result["files_before"] = sorted(before)
 
     blocked = os.path.join(out, ".model-tp1-of-2.manifest.json.lock")
     os.unlink(blocked)
