@@ -16,7 +16,7 @@ import torch
 
 from .errors import UnsupportedModelError
 from .schema import KernelRecord, plain_value
-from .spill import SpillFile, StoredTensor
+from .spill import SpillFile, StoredTensor, same_bytes
 
 # nn.Module bookkeeping that is not state of the layer.
 _MODULE_INTERNALS = frozenset(
@@ -283,10 +283,7 @@ def _same_bytes(was: TensorSlot, now: torch.Tensor) -> bool:
     """Bytewise equality of a snapshot's tensor and a live one (a copy on disk is compared a chunk at a time)."""
     if was.stored is not None:
         return was.stored.same_bytes(now)
-    a, b = was.tensor, now
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+    return same_bytes(was.tensor, now)
 
 
 def diff_snapshots(before: ModuleSnapshot, after: ModuleSnapshot) -> LayerDiff:

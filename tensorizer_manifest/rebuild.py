@@ -47,7 +47,7 @@ from .layers import (
 )
 from .replay import run_post_load_step
 from .schema import Fingerprint
-from .spill import SpillFile
+from .spill import SpillFile, same_bytes
 
 #: Each module's attributes just before vLLM's post-load step, tensors left out (they are vLLM's record), as a
 #: *fork* (``fork_state``): what a step finds on a layer decides what it does (a fused-MoE method with a kernel
@@ -345,7 +345,7 @@ class Rebuilder:
         live = snapshot_module(layer.live, None)
         for name, slot in live.tensors.items():
             rebuilt = after.tensors.get(name)
-            if rebuilt is None or not _same(rebuilt.tensor, slot.tensor):
+            if rebuilt is None or not same_bytes(rebuilt.tensor, slot.tensor):
                 raise NotReproducibleError(
                     f"{layer.path}.{name} differs from what the engine's source weights give through vLLM's load "
                     "and post-load step: its weights changed after loading (a LoRA merged, an update) or its "
@@ -397,7 +397,7 @@ class Rebuilder:
                 f"it with the rebuilt layer ({type(exc).__name__}: {exc}); save it with `tensorizer-manifest save "
                 "SRC OUT` instead"
             ) from exc
-        if not _same(*answers):
+        if not same_bytes(*answers):
             raise NotReproducibleError(
                 f"{layer.path}'s kernel answers differently from the one the engine's source weights give through "
                 "vLLM's load and post-load step: its weights changed after loading (a LoRA merged, an update) or "
@@ -455,15 +455,6 @@ def _refuse_online_quantization(model: torch.nn.Module) -> None:
                 "running engine's save cannot rebuild; save it with `tensorizer-manifest save SRC OUT` and the "
                 "same quantization instead"
             )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical: same dtype, shape and bytes (NaNs included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)))
 
 
 def _source_weights(loader: Any, model_config: Any, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

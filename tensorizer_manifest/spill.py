@@ -66,6 +66,16 @@ class StoredTensor:
         return self.spill.same_bytes(self, tensor)
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical: same dtype, shape and row-major bytes (a NaN equals itself, -0.0 is not 0.0), whatever
+    the strides. The one comparison of tensors in memory (``StoredTensor.same_bytes`` compares one on disk)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)))
+
+
 class SpillFile:
     """An append-only, nameless temporary file of tensors; use it as a context manager (or ``close`` it)."""
 

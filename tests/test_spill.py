@@ -148,3 +148,17 @@ def test_same_bytes_compares_bytes_chunk_by_chunk(tmp_path, monkeypatch, chunk):
         zeros = spill.put(torch.zeros(3))
         assert not zeros.same_bytes(torch.tensor([0.0, -0.0, 0.0]))  # equal values, other bytes
         assert spill.put(torch.empty(0)).same_bytes(torch.empty(0))
+
+
+def test_bit_identity_of_tensors_in_memory_sees_every_bit_and_no_more():
+    from tensorizer_manifest.spill import same_bytes
+
+    a = torch.tensor([1.0, float("nan"), -0.0])
+    assert same_bytes(a, a.clone())  # NaN equals itself bit for bit
+    assert not same_bytes(a, torch.tensor([1.0, float("nan"), 0.0]))  # -0.0 is not 0.0
+    assert same_bytes(torch.tensor(2.0), torch.tensor(2.0))  # 0-dim
+    assert not same_bytes(torch.tensor(2.0), torch.tensor([2.0]))  # shape
+    assert not same_bytes(torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.float16))
+    assert same_bytes(torch.empty(0), torch.empty(0))
+    t = torch.arange(6.0).reshape(2, 3)
+    assert same_bytes(t.t(), t.t().contiguous())  # the values, whatever the strides
