@@ -117,7 +117,7 @@ def inspect(location: str, json: bool, **remote) -> None:
     LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either
     (only the manifest is read)."""
     from .checkpoint import load_manifest
-    from .inspect import as_json, render
+    from .summary import as_json, render
 
     path = _location(location)
     try:

@@ -8,8 +8,8 @@ from typing import Any
 
 from ._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .checkpoint import load_manifest
-from .inspect import render
 from .save import save_checkpoint, shutdown
+from .summary import render
 from .tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
 

@@ -5,6 +5,8 @@
   the private modules ``_constants`` and ``_vllm_compat`` are imported whole, for their public names.
 - No module imports from the package root (``__init__`` is the public face, not a dependency).
 - Every module says what it is for, and ``docs/design.md`` lists it.
+- No module or folder is named after a standard-library module (run from inside the package folder, a tool's
+  ``import inspect`` would get ours).
 
 ``pyproject.toml``'s import-linter contract (``make lint``) states the layers themselves.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,3 +136,8 @@ def test_every_module_with_logic_has_its_own_test_file():
         if not (tests / f"{expected}.py").is_file():
             missing.append(f"{name} -> tests/{expected}.py")
     assert not missing, missing
+
+
+def test_no_module_or_folder_is_named_after_a_standard_library_module():
+    names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*") if p.is_dir()}
+    assert not sorted(names & sys.stdlib_module_names)

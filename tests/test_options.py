@@ -37,7 +37,7 @@ def test_validation_errors_are_described_without_the_values_given():
 def test_inspect_and_validate_start_without_pydantic_or_torch():
     """They answer in a fraction of a second; pydantic alone costs about 0.2 s to import and set up."""
     code = (
-        "import sys, tensorizer_manifest.inspect, tensorizer_manifest.checkpoint, tensorizer_manifest.remote; "
+        "import sys, tensorizer_manifest.summary, tensorizer_manifest.checkpoint, tensorizer_manifest.remote; "
         "print(sorted(m for m in ('pydantic', 'torch', 'vllm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

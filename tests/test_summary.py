@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers.synthetic import write_synthetic_checkpoint
 
 from tensorizer_manifest.checkpoint import read_manifest
-from tensorizer_manifest.inspect import layer_row, summary
+from tensorizer_manifest.summary import layer_row, summary
 
 
 def test_rows_and_summary_of_the_synthetic_checkpoint(tmp_path):
@@ -33,7 +33,7 @@ def test_a_layer_with_a_raw_fallback_shows_both_forms(tmp_path):
 def test_a_form_another_engine_added_is_shown_between_the_own_form_and_the_fallback(tmp_path):
     from helpers.synthetic import experts_form_capture
 
-    from tensorizer_manifest.inspect import added_records
+    from tensorizer_manifest.summary import added_records
     from tensorizer_manifest.write import write_added_form
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
