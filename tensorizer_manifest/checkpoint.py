@@ -115,7 +115,7 @@ def no_manifest_error(tensor_file: FileLocation, source: str = "SOURCE_MODEL", s
 
 def check_named_tensor_file(manifest: Manifest, manifest_path: FileLocation, name: str) -> None:
     """A tensor file named by the user (vLLM's ``tensorizer_uri``) must be one the manifest beside it names."""
-    names = [manifest.tensor_file.path, *(form.tensor_file.path for _, form in manifest.readable_forms())]
+    names = manifest.tensor_file_names()
     if name not in names:
         raise ConfigurationError(
             f"tensorizer_uri names {name}, but the manifest beside it ({manifest_path}) names its tensor file "

@@ -320,6 +320,10 @@ class Manifest(_Struct, kw_only=True):
         """The raw fallbacks' records, named ``fallback_name(full name)``, in manifest order."""
         return [(fallback_name(full_name(m.path, t.name)), t) for m in self.modules for t in m.fallback]
 
+    def tensor_file_names(self) -> list[str]:
+        """The tensor files it names: its own first, then its readable added forms'."""
+        return [self.tensor_file.path, *(form.tensor_file.path for _, form in self.readable_forms())]
+
     def readable_forms(self) -> list[tuple[int, AddedForm]]:
         """The added forms this version can decode, with their index in ``added_forms``."""
         return [(index, form) for index, form in enumerate(self.added_forms) if isinstance(form, AddedForm)]

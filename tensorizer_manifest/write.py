@@ -202,16 +202,11 @@ class PreparedCheckpoint:
         with manifest_lock(self.out_dir, self.stem):
             current = self.out_dir / (self.stem + MANIFEST_SUFFIX)
             try:
-                named = checkpoint_files(decode_manifest(current.read_bytes(), str(current)))
+                named = decode_manifest(current.read_bytes(), str(current)).tensor_file_names()
             except (OSError, ManifestError):
-                named = set()
+                named = []
             if self.tensor_name not in named:
                 (self.out_dir / self.tensor_name).unlink(missing_ok=True)
-
-
-def checkpoint_files(manifest: Manifest) -> set[str]:
-    """The tensor files a manifest names: its own and its readable added forms'."""
-    return {manifest.tensor_file.path, *(form.tensor_file.path for _, form in manifest.readable_forms())}
 
 
 def prepare_checkpoint(
