@@ -82,3 +82,13 @@ def test_no_pickle_anywhere_in_the_package():
         text = path.read_text()
         for needle in ("import pickle", "cloudpickle", "torch.load(", "pickle.load"):
             assert needle not in text, f"{path.name} uses {needle}"
+
+
+def test_the_public_surface_is_the_one_before_the_folders():
+    """#26 moved every module into folders: what a user names (``__all__`` and its signatures, the commands and
+    their options, the entry points, the worker extension, the manifest schema) is unchanged."""
+    import json
+
+    from helpers.public_surface import FIXTURE, surface
+
+    assert surface() == json.loads(FIXTURE.read_text())
