@@ -109,7 +109,7 @@ def main() -> None:
     from helpers.fleet import Engine, engine_key_id, run_fleet
     from helpers.servers import BUCKET, MotoS3, RangeHTTPServer
 
-    from tensorizer_manifest.remote import RemoteOptions, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
 
     machine = {
         "cpu": platform.processor() or platform.machine(),

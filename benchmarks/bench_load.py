@@ -72,7 +72,7 @@ ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_s
 
 def build_model(work: Path, size: str) -> Path:
     """A model directory for ``size``: safetensors with random bf16 weights, config, tokenizer."""
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     tiny = build_tiny_model(work / "tiny-llama", "llama")
     if SIZES[size] is None:
@@ -207,11 +207,11 @@ class _Timer:
 def child(argv: list[str]) -> dict:
     mode = argv[0]
     if mode == "save":
-        from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
+        from tensorizer_manifest.save.from_source import apply_cpu_gemm, save_checkpoint
 
         if os.environ.get("TENSORIZER_MANIFEST_CPU_GEMM") == "fallback":
             apply_cpu_gemm("fallback")
-        from tensorizer_manifest import capture
+        from tensorizer_manifest.save import capture
 
         phases = _RssPhases()
         recorder_init = capture.Recorder.__init__
@@ -230,7 +230,7 @@ def child(argv: list[str]) -> dict:
     if mode == "rebuild-save":  # an engine the default loader loaded saves itself (bench_rebuild.py)
         return rebuild_save(argv[1], argv[2])
     if mode == "add-form":  # add this machine's form to the checkpoint in argv[1], timed
-        from tensorizer_manifest.add_form import add_form
+        from tensorizer_manifest.save.add_form import add_form
 
         start = time.perf_counter()
         ranks = add_form(argv[1]).ranks
@@ -270,7 +270,7 @@ def rebuild_save(model_dir: str, out_dir: str) -> dict:
     from vllm import LLM
 
     from tensorizer_manifest import WORKER_EXTENSION
-    from tensorizer_manifest.checkpoint import load_manifest
+    from tensorizer_manifest.storage.checkpoint import load_manifest
 
     phases = _RssPhases()
     llm = LLM(model=model_dir, **ENGINE, kv_cache_memory_bytes=64 << 20, worker_extension_cls=WORKER_EXTENSION)
@@ -304,8 +304,8 @@ def load(path: str, model_dir: str, extra: str) -> dict:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from tensorizer_manifest import WORKER_EXTENSION
-    from tensorizer_manifest.tiny import DEMO_PROMPTS
-    from tensorizer_manifest.vllm_integration import ManifestModelLoader, apply_cpu_gemm_from_env
+    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
+    from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader, apply_cpu_gemm_from_env
 
     apply_cpu_gemm_from_env()
     timer = _Timer()

@@ -48,8 +48,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import blake3  # noqa: E402
 import msgspec  # noqa: E402
 
-# helpers.synthetic and tensorizer_manifest.validate bring torch (seconds): imported where used, so --help is fast.
-from tensorizer_manifest.schema import (  # noqa: E402
+# helpers.synthetic and tensorizer_manifest.checks.validate bring torch (seconds): imported where used, so --help
+# is fast.
+from tensorizer_manifest.format.schema import (  # noqa: E402
     FORMAT_VERSION,
     KernelRecord,
     Manifest,

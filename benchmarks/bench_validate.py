@@ -39,7 +39,7 @@ import blake3  # noqa: E402
 if TYPE_CHECKING:
     import torch
 
-    from tensorizer_manifest.capture import Capture
+    from tensorizer_manifest.save.capture import Capture
 
 MB = 1 << 20
 GB = 1e9
@@ -64,7 +64,7 @@ def random_bf16(numel: int, seed: int = 0) -> torch.Tensor:
 
 
 def bench_hashing(mb: int, repeat: int) -> None:
-    from tensorizer_manifest.tensors import hash_tensor, tensor_bytes
+    from tensorizer_manifest.model.tensors import hash_tensor, tensor_bytes
 
     rows = max(1, mb * MB // (4096 * 2))
     tensor = random_bf16(rows * 4096).reshape(rows, 4096)
@@ -95,7 +95,7 @@ def big_capture(mb: int) -> Capture:
     import torch
     from helpers.synthetic import FINGERPRINT
 
-    from tensorizer_manifest.capture import Capture, CapturedLayer, TensorSlot
+    from tensorizer_manifest.save.capture import Capture, CapturedLayer, TensorSlot
 
     per_layer = 32 * MB  # a 4096 x 4096 bfloat16 matrix
     n_layers = max(1, round(mb * MB / per_layer))
@@ -111,7 +111,7 @@ def big_capture(mb: int) -> Capture:
 
 
 def read_all(directory: Path) -> int:
-    from tensorizer_manifest.tensor_file import TensorFileReader
+    from tensorizer_manifest.storage.tensor_file import TensorFileReader
 
     tensor_path = next(directory.glob("*.tensors"))
     reader = TensorFileReader(tensor_path)
@@ -126,8 +126,8 @@ def read_all(directory: Path) -> int:
 
 
 def read_and_hash_all(directory: Path) -> None:
-    from tensorizer_manifest.tensor_file import TensorFileReader
-    from tensorizer_manifest.tensors import hash_tensor
+    from tensorizer_manifest.model.tensors import hash_tensor
+    from tensorizer_manifest.storage.tensor_file import TensorFileReader
 
     tensor_path = next(directory.glob("*.tensors"))
     reader = TensorFileReader(tensor_path)
@@ -139,8 +139,8 @@ def read_and_hash_all(directory: Path) -> None:
 
 
 def bench_checkpoint(mb: int, repeat: int, workdir: Path) -> None:
-    from tensorizer_manifest.validate import validate_checkpoint
-    from tensorizer_manifest.write import write_checkpoint
+    from tensorizer_manifest.checks.validate import validate_checkpoint
+    from tensorizer_manifest.save.write import write_checkpoint
 
     capture = big_capture(mb)
     directory = workdir / "ckpt"
@@ -188,10 +188,11 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
+    import tensorizer_manifest.checks.validate  # noqa: F401
+
     # Imported before the clock starts, as they were at the top of the module (the total includes no import).
-    import tensorizer_manifest.capture  # noqa: F401
-    import tensorizer_manifest.validate  # noqa: F401
-    import tensorizer_manifest.write  # noqa: F401
+    import tensorizer_manifest.save.capture  # noqa: F401
+    import tensorizer_manifest.save.write  # noqa: F401
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     print(

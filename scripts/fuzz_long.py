@@ -1,4 +1,4 @@
-"""A long fuzzing run of the properties in tests/test_validate_fuzz.py, outside pytest.
+"""A long fuzzing run of the properties in tests/checks/test_validate_fuzz.py, outside pytest.
 
     .venv/bin/python scripts/fuzz_long.py --examples 5000
     .venv/bin/python scripts/fuzz_long.py --examples 500 --only tensor --seed 7
@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "tests" / "checks"), str(ROOT / "tests"), str(ROOT)]
 
 import test_validate_fuzz as tf  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402

@@ -32,8 +32,8 @@ def main() -> None:
         args.work_dir = Path(tempfile.mkdtemp(prefix="tm-verify-cpu-"))
 
     from tensorizer_manifest import _vllm_compat
-    from tensorizer_manifest.tiny import build_tiny_model, engine_args
-    from tensorizer_manifest.verification import read_records, write_records
+    from tensorizer_manifest.format.verification import read_records, write_records
+    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     records, failed = [], []
     for kind in KINDS:

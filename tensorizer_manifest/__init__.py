@@ -16,7 +16,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT, WORKER_EXTENSION, __version__
-from .checkpoint import read_manifest
 from .errors import (
     CheckpointNotFoundError,
     CompatibilityError,
@@ -37,24 +36,25 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedVLLMError,
 )
-from .remote import RemoteOptions, fetch_model_files, upload_checkpoint
-from .schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
+from .format.schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
+from .storage.checkpoint import read_manifest
+from .storage.remote import RemoteOptions, fetch_model_files, upload_checkpoint
 
 if TYPE_CHECKING:
     from .checks.report import Problem, ValidationReport
+    from .checks.validate import validate_checkpoint
     from .restorers import Restorer
     from .restorers import register as register_restorer
-    from .save import SaveOptions, SaveResult, save_checkpoint
-    from .validate import validate_checkpoint
+    from .save.from_source import SaveOptions, SaveResult, save_checkpoint
 
 #: Public names that import torch (and some vLLM) when first used: name -> (module, attribute).
 _LAZY: dict[str, tuple[str, str]] = {
-    "save_checkpoint": (".save", "save_checkpoint"),
-    "SaveOptions": (".save", "SaveOptions"),
-    "SaveResult": (".save", "SaveResult"),
-    "validate_checkpoint": (".validate", "validate_checkpoint"),
-    "ValidationReport": (".validate", "ValidationReport"),
-    "Problem": (".validate", "Problem"),
+    "save_checkpoint": (".save.from_source", "save_checkpoint"),
+    "SaveOptions": (".save.from_source", "SaveOptions"),
+    "SaveResult": (".save.from_source", "SaveResult"),
+    "validate_checkpoint": (".checks.validate", "validate_checkpoint"),
+    "ValidationReport": (".checks.validate", "ValidationReport"),
+    "Problem": (".checks.validate", "Problem"),
     "Restorer": (".restorers", "Restorer"),
     "register_restorer": (".restorers", "register"),
 }

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .errors import UnsupportedModelError, UnsupportedVLLMError
-from .schema import qualified_class
+from .format.schema import qualified_class
 
 #: (module, attribute, parameters) of every private vLLM name used below: a callable's parameters are the
 #: names this package passes it, which its signature must still have (a keyword renamed or dropped by a vLLM
@@ -216,7 +216,7 @@ def read_safetensors_unmapped() -> Iterator[None]:
     """
     from vllm.model_executor.model_loader import default_loader, weight_utils
 
-    from .source_weights import iter_safetensors
+    from .storage.source_weights import iter_safetensors
 
     original = getattr(default_loader, "safetensors_weights_iterator", None)
     should_skip = getattr(weight_utils, "should_skip_weight", None)

@@ -39,7 +39,7 @@ def e2e_dir(tmp_path_factory) -> Path:
 
 
 #: The family matrix's module: its tests are grouped by kind (one scenario each), not by module.
-_BY_KIND = "tests/test_e2e_families.py"
+_BY_KIND = "tests/e2e/test_e2e_families.py"
 
 
 def _scope_of(nodeid: str) -> str:
@@ -58,7 +58,7 @@ _LONGEST_FIRST = (
     "test_e2e_multi_node",
     "test_e2e_pipeline_parallel",
     "test_e2e_serve",
-    "test_cli",
+    "test_commands",
     "test_e2e_real_size",
     "test_demo",
     "test_e2e_tensor_parallel",
@@ -143,7 +143,7 @@ WNA16_KINDS = ("gptq-w4", "awq-w4", "ct-w4a16")
 
 def kind_param(kind: str, *marks):
     """A tiny kind as a test parameter, skipped (saying why) where this CPU cannot run it."""
-    from tensorizer_manifest.tiny import AMX_KINDS, FP8_KV_KINDS
+    from tensorizer_manifest.testing.tiny import AMX_KINDS, FP8_KV_KINDS
 
     if kind in AMX_KINDS:
         marks = (*marks, needs_amx)

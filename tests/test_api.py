@@ -31,9 +31,9 @@ def test_public_api_is_what_was_meant():
 
 
 def test_lazy_names_are_the_real_objects():
+    from tensorizer_manifest.checks.validate import validate_checkpoint
     from tensorizer_manifest.restorers import Restorer, register
-    from tensorizer_manifest.save import save_checkpoint
-    from tensorizer_manifest.validate import validate_checkpoint
+    from tensorizer_manifest.save.from_source import save_checkpoint
 
     assert tm.Restorer is Restorer and tm.register_restorer is register
     assert tm.save_checkpoint is save_checkpoint and tm.validate_checkpoint is validate_checkpoint

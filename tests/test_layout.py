@@ -61,7 +61,7 @@ def _imports(name: str) -> list[tuple[str, str, int]]:
 
 
 def test_the_module_list_is_read():
-    assert {"tensorizer_manifest.schema", "tensorizer_manifest.restorers.base"} <= set(MODULES)
+    assert {"tensorizer_manifest.format.schema", "tensorizer_manifest.restorers.base"} <= set(MODULES)
 
 
 def test_no_import_cycle():
@@ -121,21 +121,60 @@ def test_every_module_has_a_docstring_and_a_place_in_the_design_map():
             assert f"`{shown}" in design, f"docs/design.md does not list {shown}"
 
 
+#: Modules whose tests share a file: the package's face and foundations (test_api), and inside a folder,
+#: modules of one subject (every restorer in test_restorers, the four offline checks in test_checks).
+_SHARED_TEST_FILE = {
+    "tensorizer_manifest": "test_api",
+    "tensorizer_manifest.errors": "test_api",
+    "tensorizer_manifest._constants": "test_api",
+    **{
+        f"tensorizer_manifest.checks.{name}": "checks/test_checks"
+        for name in ("report", "seal", "records", "tensor_files")
+    },
+}
+
+
+def _expected_test_file(name: str) -> str:
+    """``tensorizer_manifest.<folder>.<module>`` is tested in ``tests/<folder>/test_<module>.py``."""
+    if name in _SHARED_TEST_FILE:
+        return _SHARED_TEST_FILE[name]
+    parts = name.split(".")[1:]
+    if MODULES[name].name == "__init__.py":
+        return f"{parts[0]}/"  # a folder's face: its folder of tests
+    if parts[-1] == "__main__":
+        return "/".join(parts[:-1] + ["test_commands"])  # `python -m`: the commands' tests run it
+    if parts[0] == "restorers" and parts[-1] not in ("inventory", "mla_attention"):
+        return "restorers/test_restorers"
+    if parts[-1] == "mla_attention":
+        return "restorers/test_restorer_mla"
+    return "/".join(parts[:-1] + ["test_" + parts[-1].lstrip("_")])
+
+
 def test_every_module_with_logic_has_its_own_test_file():
     tests = ROOT / "tests"
-    shared = {"tensorizer_manifest": "test_api", "tensorizer_manifest.errors": "test_api",
-              "tensorizer_manifest._constants": "test_api"}  # fmt: skip
     missing = []
     for name in MODULES:
-        if name.startswith("tensorizer_manifest.restorers"):
-            expected = "test_restorers"
-        elif name.startswith("tensorizer_manifest.checks"):
-            expected = "test_checks"  # one file for the folder, as for restorers/
-        else:
-            expected = shared.get(name, "test_" + name.rsplit(".", 1)[-1].lstrip("_"))
-        if not (tests / f"{expected}.py").is_file():
-            missing.append(f"{name} -> tests/{expected}.py")
+        expected = _expected_test_file(name)
+        found = (tests / expected).is_dir() if expected.endswith("/") else (tests / f"{expected}.py").is_file()
+        if not found:
+            missing.append(f"{name} -> tests/{expected}")
     assert not missing, missing
+
+
+def test_the_tests_mirror_the_folders():
+    """One folder of tests per folder of the package, and none else (beside the end-to-end tests on real vLLM,
+    the helpers, the scenarios they run and the fixtures)."""
+    package = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    tests = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert tests - {"e2e", "helpers", "scenarios", "fixtures"} == package
+    loose = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    top_modules = sorted(f"test_{n.rsplit('.', 1)[-1].lstrip('_')}.py" for n in MODULES if n.count(".") == 1)
+    assert set(loose) - set(top_modules) <= {
+        "test_api.py",
+        "test_layout.py",
+        "test_scripts.py",
+        "test_supported_models.py",
+    }
 
 
 def test_no_module_or_folder_is_named_after_a_standard_library_module():

@@ -4,17 +4,13 @@ every record equal to the one bound to the tensor file. Nothing is read from the
 
 from __future__ import annotations
 
-from ..checkpoint import (
-    FileLocation,
-)
 from ..errors import (
     IntegrityError,
     ManifestError,
     ManifestVersionError,
     TensorizerManifestError,
 )
-from ..restorers import known_replays
-from ..schema import (
+from ..format.schema import (
     ALLOWED_PARAM_MODULES,
     DTYPE_ITEMSIZE,
     REPLAY_NONE,
@@ -31,6 +27,10 @@ from ..schema import (
     form_base,
     full_name,
     required_format_version,
+)
+from ..restorers import known_replays
+from ..storage.checkpoint import (
+    FileLocation,
 )
 from .report import Problem
 from .seal import check_seal

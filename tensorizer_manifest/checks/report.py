@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checkpoint import (
-    FileLocation,
-)
 from ..errors import (
     TensorizerManifestError,
+)
+from ..storage.checkpoint import (
+    FileLocation,
 )
 
 

@@ -13,7 +13,7 @@ from ..errors import (
     IntegrityError,
     TensorizerManifestError,
 )
-from ..schema import (
+from ..format.schema import (
     EncryptionKey,
     Manifest,
     SigningKey,

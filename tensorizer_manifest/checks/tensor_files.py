@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import itertools
 
-from ..checkpoint import (
-    FileLocation,
-    file_size,
-)
 from ..errors import (
     IntegrityError,
     ManifestError,
     RemoteStorageError,
     TensorizerManifestError,
 )
+from ..format.schema import EncryptionKey, TensorFileRef, TensorRecord
+from ..model.tensors import hash_tensor
 from ..progress import ProgressCallback, ProgressCounter
-from ..schema import EncryptionKey, TensorFileRef, TensorRecord
-from ..tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
-from ..tensor_headers import HeaderScan, scan_headers
-from ..tensors import hash_tensor
+from ..storage.checkpoint import (
+    FileLocation,
+    file_size,
+)
+from ..storage.tensor_file import IndexEntry, TensorFileReader, head_hash, prefix_hash, read_index
+from ..storage.tensor_headers import HeaderScan, scan_headers
 from .report import Problem
 
 

@@ -8,7 +8,7 @@ instead would reset calibrated scales to 1.0.
 
 from __future__ import annotations
 
-from ..layers import has_attention_step
+from ..model.layers import has_attention_step
 from .base import Restorer, register, state_beyond
 
 

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..layers import LayerDiff
-from ..schema import REPLAY_NONE, REPLAY_POST_LOAD, qualified_class
+from ..format.schema import REPLAY_NONE, REPLAY_POST_LOAD, qualified_class
+from ..model.layers import LayerDiff
 
 
 class Restorer:
@@ -47,7 +47,7 @@ class Restorer:
 
     def verified_for(self, device_type: str) -> bool:
         """Verified on this device kind: by this project's tests, or by a ``verify-kernels`` record."""
-        from ..verification import recorded_verified
+        from ..format.verification import recorded_verified
 
         return device_type in self.verified_on or recorded_verified(self.name, device_type)
 

@@ -12,7 +12,7 @@ the machine) and the zentorch switch are the layer's recorded ``form``.
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .base import Restorer, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"

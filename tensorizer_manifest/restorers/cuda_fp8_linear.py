@@ -24,7 +24,7 @@ the device capability are the layer's ``form``. ``verified_on`` is empty.
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.quantization.fp8.Fp8LinearMethod"

@@ -23,7 +23,7 @@ capability are the layer's ``form``. ``verified_on`` is empty.
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .base import Restorer, device_capability, register, state_beyond
 
 _UNQUANTIZED = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"

@@ -19,7 +19,7 @@ capability are the layer's ``form``: a checkpoint processed for Machete
 
 from __future__ import annotations
 
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _MP = "vllm.model_executor.kernels.linear.mixed_precision"

@@ -30,7 +30,7 @@ end-to-end test of this project covers an MLA model yet.
 
 from __future__ import annotations
 
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .attention import AttentionScalesRestorer
 from .base import register, state_beyond
 

@@ -20,7 +20,7 @@ are left raw. Kernel class and device capability are the ``form``.
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..schema import qualified_class
+from ..format.schema import qualified_class
 from .base import Restorer, device_capability, layer_kernel, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod"

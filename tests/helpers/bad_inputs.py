@@ -21,8 +21,8 @@ from pathlib import Path
 import msgspec
 
 from tensorizer_manifest.errors import ManifestError
-from tensorizer_manifest.schema import decode_manifest, seal_manifest
-from tensorizer_manifest.tensor_file import read_index
+from tensorizer_manifest.format.schema import decode_manifest, seal_manifest
+from tensorizer_manifest.storage.tensor_file import read_index
 
 
 @dataclass(frozen=True)

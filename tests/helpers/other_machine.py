@@ -40,8 +40,8 @@ def edited_copy(checkpoint: Path, out: Path, edit: Callable, damage: bool = Fals
 
     With ``damage``, the tensor file is a copy with one byte flipped in the first fallback tensor of the
     first layer that has one (the data only: the headers and the index are as saved)."""
-    from tensorizer_manifest import schema
-    from tensorizer_manifest.tensor_file import read_index
+    from tensorizer_manifest.format import schema
+    from tensorizer_manifest.storage.tensor_file import read_index
 
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(checkpoint, out, copy_function=os.link)

@@ -27,7 +27,7 @@ def install_post_load_counter() -> collections.Counter:
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from tensorizer_manifest import replay
+    from tensorizer_manifest.load import replay
 
     counts: collections.Counter = collections.Counter()
     active: set[int] = set()

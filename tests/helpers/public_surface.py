@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,10 +28,12 @@ FIXTURE = ROOT / "tests" / "fixtures" / "public-surface.json"
 
 
 def _signature(obj) -> str:
+    """The signature, its annotations without the module they are defined in (modules are free to move)."""
     try:
-        return str(inspect.signature(obj))
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return ""
+    return re.sub(r"tensorizer_manifest(\.\w+)*\.(?=[A-Z])", "", text)
 
 
 def _describe(obj) -> dict:

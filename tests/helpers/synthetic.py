@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from tensorizer_manifest.capture import Capture, CapturedLayer, TensorSlot
-from tensorizer_manifest.schema import Fingerprint, KernelRecord, RuntimeAttr
-from tensorizer_manifest.write import write_checkpoint
+from tensorizer_manifest.format.schema import Fingerprint, KernelRecord, RuntimeAttr
+from tensorizer_manifest.save.capture import Capture, CapturedLayer, TensorSlot
+from tensorizer_manifest.save.write import write_checkpoint
 
 FINGERPRINT = Fingerprint(
     vllm_version="0.32.0",

@@ -16,7 +16,7 @@ def main() -> None:
     checkpoint, model_dir, max_model_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
     engine = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.cli.demo import generate_tokens
 
     engine["max_model_len"] = max_model_len
     result = {

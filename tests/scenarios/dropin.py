@@ -33,10 +33,10 @@ def main() -> None:
     from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
 
     from tensorizer_manifest import WORKER_EXTENSION
-    from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import engine_options, generate_tokens
-    from tensorizer_manifest.save import save_checkpoint, shutdown
-    from tensorizer_manifest.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
+    from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
+    from tensorizer_manifest.storage.checkpoint import load_manifest
+    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
     model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
     engine = engine_args("llama")

@@ -41,9 +41,9 @@ def main() -> None:
 
     import torch
 
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.save import apply_cpu_gemm, save_checkpoint
-    from tensorizer_manifest.tiny import build_tiny_model, engine_args
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.save.from_source import apply_cpu_gemm, save_checkpoint
+    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     if args.fallback:
         apply_cpu_gemm("fallback")
@@ -66,7 +66,7 @@ def main() -> None:
 
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-        from tensorizer_manifest.vllm_integration import ManifestModelLoader
+        from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader
 
         def timing(cls, label):
             original_load = cls.load_model
@@ -110,7 +110,7 @@ def main() -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
         from helpers.post_load import install_post_load_counter
 
-        from tensorizer_manifest import replay as replay_module
+        from tensorizer_manifest.load import replay as replay_module
 
         counts = install_post_load_counter()
         # Keep every tensor once replay has finished.
@@ -136,7 +136,7 @@ def main() -> None:
         **engine_args(args.kind),
     )
 
-    from tensorizer_manifest.checkpoint import load_manifest
+    from tensorizer_manifest.storage.checkpoint import load_manifest
 
     manifest, _ = load_manifest(out_dir)
     fp = manifest.fingerprint

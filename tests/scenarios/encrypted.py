@@ -20,10 +20,10 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from safetensors.torch import load_file
 
-    from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.save import save_checkpoint
-    from tensorizer_manifest.tiny import build_tiny_model, engine_args
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.save.from_source import save_checkpoint
+    from tensorizer_manifest.storage.checkpoint import load_manifest
+    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
     key, wrong = os.path.join(workdir, "encryption.key"), os.path.join(workdir, "wrong.key")

@@ -47,7 +47,7 @@ def _a_newer_versions_field(checkpoint: Path) -> None:
     version that wrote the field would."""
     import msgspec
 
-    from tensorizer_manifest import schema
+    from tensorizer_manifest.format import schema
 
     path = checkpoint / "model.manifest.json"
     document = msgspec.json.decode(path.read_bytes())
@@ -65,7 +65,7 @@ def _made_from_other_fallbacks(manifest) -> None:
 
 def _edit_form_file(checkpoint: Path, how: str) -> None:
     """Delete the first added form's tensor file, or truncate it by one byte (a file of its own: it is a link)."""
-    from tensorizer_manifest import schema
+    from tensorizer_manifest.format import schema
 
     manifest = schema.decode_manifest((checkpoint / "model.manifest.json").read_bytes())
     path = checkpoint / manifest.added_forms[0].tensor_file.path
@@ -84,9 +84,10 @@ def main() -> None:
     from helpers.other_machine import as_the_other_machine, edited_copy
     from helpers.post_load import install_post_load_counter
 
-    from tensorizer_manifest import schema, tensor_file
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.tiny import engine_args
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.format import schema
+    from tensorizer_manifest.storage import tensor_file
+    from tensorizer_manifest.testing.tiny import engine_args
 
     counts = install_post_load_counter()
     read: dict[str, list] = {"keys": []}
@@ -114,7 +115,7 @@ def main() -> None:
     if not as_saved_only:
         # The other machine's checkpoint (every layer with a fallback records the other form), and this machine
         # adds its own form to it: add_form starts an engine here, before the counted loads.
-        from tensorizer_manifest.add_form import add_form
+        from tensorizer_manifest.save.add_form import add_form
 
         added = edited_copy(checkpoint, workdir / f"{kind}-added-form", as_the_other_machine)
         result["add-form"] = add_form(added).ranks[0]
@@ -147,7 +148,7 @@ def main() -> None:
         # The same on S3: the other machine's checkpoint uploaded, add_form on its URI, then loaded from there.
         from helpers.servers import BUCKET
 
-        from tensorizer_manifest.remote import RemoteDir, RemoteOptions, fetch_model_files, upload_checkpoint
+        from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions, fetch_model_files, upload_checkpoint
 
         endpoint, key_id, secret = (os.environ[f"TM_TEST_S3_{k}"] for k in ("ENDPOINT", "KEY_ID", "SECRET"))
         creds = {"s3_access_key_id": key_id, "s3_secret_access_key": secret, "s3_endpoint": endpoint}
@@ -173,7 +174,7 @@ def main() -> None:
             found = error_summary(exc)
             entry["error"] = f"{found['error']}: {found['message']}"
         if loader is not None:
-            from tensorizer_manifest.checkpoint import load_manifest
+            from tensorizer_manifest.storage.checkpoint import load_manifest
 
             manifest = load_manifest(loader["checkpoint_dir"], remote=RemoteOptions(key_id, secret, endpoint))[0]
         else:

@@ -30,9 +30,9 @@ def main() -> None:
 
     from helpers.errors import error_chain, error_summary
 
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.remote import RemoteOptions, fetch_model_files
-    from tensorizer_manifest.vllm_integration import ManifestModelLoader
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.storage.remote import RemoteOptions, fetch_model_files
+    from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader
 
     seconds: list[float] = []
     original = ManifestModelLoader.load_model

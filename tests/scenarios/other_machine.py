@@ -38,8 +38,8 @@ def main() -> None:
 
     from helpers.post_load import install_post_load_counter
 
-    from tensorizer_manifest import tensor_file
-    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.storage import tensor_file
 
     read = {"tensors": 0}
     stream = tensor_file.TensorFileReader.stream
@@ -53,7 +53,7 @@ def main() -> None:
     result = {"had_amx": had_amx, "error": None, "message": None, "tokens": None}
     try:
         if workdir is not None:
-            from tensorizer_manifest.add_form import add_form
+            from tensorizer_manifest.save.add_form import add_form
 
             copy = Path(workdir) / (Path(checkpoint).name + "-with-this-machines-form")
             shutil.rmtree(copy, ignore_errors=True)
@@ -72,7 +72,7 @@ def main() -> None:
             result["reference_hashes"] = {}
             from vllm.model_executor.model_loader import base_loader
 
-            from tensorizer_manifest.tensors import hash_tensor
+            from tensorizer_manifest.model.tensors import hash_tensor
 
             original = base_loader.process_weights_after_loading
 
@@ -94,7 +94,7 @@ def main() -> None:
         result.update(error_summary(exc))
     result["tensors_read"] = read["tensors"]
     if workdir is not None:
-        from tensorizer_manifest.checkpoint import read_manifest
+        from tensorizer_manifest.storage.checkpoint import read_manifest
 
         manifest = read_manifest(Path(checkpoint) / "model.manifest.json")
         result["added_hashes"] = {

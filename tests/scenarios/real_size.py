@@ -34,7 +34,7 @@ def save_alone(model_dir: str, out_dir: str) -> None:
     """The save and nothing else; its peak RSS is this process's."""
     from helpers.real_size import DTYPE, peak_rss_mib
 
-    from tensorizer_manifest.save import save_checkpoint
+    from tensorizer_manifest.save.from_source import save_checkpoint
 
     start = time.perf_counter()
     save_checkpoint(model_dir, out_dir, dtype=DTYPE)
@@ -78,7 +78,7 @@ def main() -> None:
 
     from helpers.real_size import DTYPE, build, weight_bytes
 
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     # The baseline's save of the tiny Llama runs while the model is built: peak RSS does not depend on
     # the CPU time it gets, and the build spends much of its time on one core, writing.
@@ -98,7 +98,7 @@ def main() -> None:
     out_dir = args.workdir / "ckpt-llama-3.2-1b-shaped"
     save_proc = start_save(model_dir, out_dir)
 
-    from tensorizer_manifest.demo import generate_tokens
+    from tensorizer_manifest.cli.demo import generate_tokens
 
     # The three prompts in one batch: 8 decoding steps instead of 24 (the same engine settings on both sides).
     engine = dict(dtype=DTYPE, max_num_seqs=3)

@@ -31,12 +31,12 @@ def main() -> None:
 
     from helpers.servers import BUCKET, RangeHTTPServer
 
-    from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import generate_tokens
-    from tensorizer_manifest.remote import RemoteOptions, fetch_model_files
-    from tensorizer_manifest.save import save_checkpoint
-    from tensorizer_manifest.tiny import build_tiny_model, engine_args
-    from tensorizer_manifest.validate import validate_checkpoint
+    from tensorizer_manifest.checks.validate import validate_checkpoint
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.save.from_source import save_checkpoint
+    from tensorizer_manifest.storage.checkpoint import load_manifest
+    from tensorizer_manifest.storage.remote import RemoteOptions, fetch_model_files
+    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     kind = "llama"
     model_dir = build_tiny_model(workdir / f"tiny-{kind}", kind)

@@ -29,10 +29,10 @@ def main() -> None:
     from helpers.worker_tools import TEST_WORKER_EXTENSION
     from vllm import LLM
 
-    from tensorizer_manifest.checkpoint import load_manifest
-    from tensorizer_manifest.demo import engine_options, generate_tokens
-    from tensorizer_manifest.save import save_checkpoint, shutdown
-    from tensorizer_manifest.tiny import build_tiny_model
+    from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
+    from tensorizer_manifest.storage.checkpoint import load_manifest
+    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
     out = os.path.join(workdir, "ckpt-qwen3-tied-tp2")

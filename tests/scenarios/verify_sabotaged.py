@@ -16,8 +16,8 @@ def main() -> None:
     import msgspec
     import torch
 
+    from tensorizer_manifest.cli.verify_kernels import verify_kernels
     from tensorizer_manifest.restorers import RESTORERS
-    from tensorizer_manifest.verify import verify_kernels
 
     restorer = RESTORERS["cpu_wna16"]
     honest = restorer.replay

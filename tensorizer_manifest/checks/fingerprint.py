@@ -1,0 +1,160 @@
+"""What the saving engine was, and what the loading engine must share with it.
+
+The field list follows vLLM's own ``WeightCacheKey`` (the Fast Start cache key)
+plus torch and tensorizer versions and the device. The policy is written per
+field, because not every difference matters equally:
+
+- ``EXACT`` fields decide the shape or meaning of every saved tensor
+  (architecture, dtype, quantization, parallel layout): any difference is refused.
+- ``PROCESSED_ONLY`` fields decide the *format* of processed tensors (the vLLM
+  version and device decide which kernel repacked them). They must match when
+  the checkpoint holds a processed layer whose replay depends on a kernel;
+  raw layers run vLLM's own post-load step on the loading engine, so they
+  tolerate a different kernel.
+- ``INFORMATIONAL`` fields are recorded for people and ``diff``, never refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _vllm_compat
+from ..errors import CompatibilityError
+from ..format.schema import REPLAY_NONE, Fingerprint, Manifest
+from ..restorers import RESTORERS
+
+EXACT = (
+    "architectures",
+    "model_class",
+    "dtype",
+    "quantization",
+    "quant_config_hash",
+    "kv_cache_dtype",
+    "tensor_parallel_size",
+    "tensor_parallel_rank",
+    "pipeline_parallel_size",
+    "pipeline_parallel_rank",
+    "expert_parallel",
+)
+PROCESSED_ONLY = ("vllm_version", "device_type", "device_capability", "linear_backend", "moe_backend")
+INFORMATIONAL = (
+    "torch_version",
+    "tensorizer_version",
+    "data_parallel_size",
+    "data_parallel_rank",
+    "cpu_onednn",
+    "revision",
+    "cpu_features",
+)
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+
+
+def engine_fingerprint(vllm_config: Any) -> Fingerprint:
+    """Fingerprint of the engine in this process. Call before weights are processed."""
+    import tensorizer
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    tp_rank, pp_rank = _vllm_compat.parallel_ranks()
+    try:
+        cap = current_platform.get_device_capability()
+        capability = None if cap is None else f"{cap.major}.{cap.minor}"
+    except Exception:  # CPU platforms may not define one
+        capability = None
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    return Fingerprint(
+        vllm_version=str(vllm.__version__),
+        torch_version=str(torch.__version__),
+        tensorizer_version=str(getattr(tensorizer, "__version__", "unknown")),
+        architectures=list(getattr(model_config.hf_config, "architectures", None) or []),
+        model_class=_vllm_compat.model_class_name(model_config),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=model_config.quantization,
+        quant_config_hash=_vllm_compat.quant_config_hash(model_config),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        tensor_parallel_rank=tp_rank,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        pipeline_parallel_rank=pp_rank,
+        data_parallel_size=parallel.data_parallel_size,
+        device_type=str(vllm_config.device_config.device_type),
+        device_capability=capability,
+        cpu_onednn=_vllm_compat.onednn_enabled() if current_platform.is_cpu() else None,
+        data_parallel_rank=getattr(parallel, "data_parallel_rank", 0) or 0,
+        expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
+        linear_backend=_opt_str(getattr(kernel_config, "linear_backend", None)),
+        moe_backend=_opt_str(getattr(kernel_config, "moe_backend", None)),
+        revision=model_config.revision,
+        cpu_features=_vllm_compat.cpu_features() if current_platform.is_cpu() else [],
+    )
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def needs_same_kernels(manifest: Manifest) -> bool:
+    """True when a processed layer's tensors are in a kernel-specific form and it has no raw fallback
+    (a layer with one loads through it where the engine differs: ``forms.choose_forms``)."""
+    for module in manifest.modules:
+        if module.state == "processed" and module.replay != REPLAY_NONE and not module.fallback:
+            restorer = RESTORERS.get(module.replay)
+            if restorer is None or not restorer.kernel_independent:
+                return True
+    return False
+
+
+def differences(saved: Fingerprint, current: Fingerprint, fields) -> list[tuple[str, object, object]]:
+    """``(field, saved, current)`` for each of ``fields`` that differs."""
+    return [
+        (name, getattr(saved, name), getattr(current, name))
+        for name in fields
+        if getattr(saved, name) != getattr(current, name)
+    ]
+
+
+def compare(saved: Fingerprint, current: Fingerprint, manifest: Manifest) -> list[tuple[str, object, object]]:
+    """Every field that differs and matters under the policy above: ``(field, saved, current)``."""
+    return differences(saved, current, EXACT + (PROCESSED_ONLY if needs_same_kernels(manifest) else ()))
+
+
+def check_compatible(saved: Fingerprint, current: Fingerprint, manifest: Manifest, source: str) -> None:
+    differences = compare(saved, current, manifest)
+    if differences:
+        lines = "; ".join(f"{name}: saved {a!r}, this engine {b!r}" for name, a, b in differences)
+        raise CompatibilityError(
+            f"{source}: this checkpoint was saved by a different engine configuration ({lines}). "
+            "Start vLLM with the saved settings, or re-save the checkpoint with "
+            "`tensorizer-manifest save` on this engine.",
+            differences,
+        )
+
+
+def normalize_dtype(dtype: str) -> str:
+    """A dtype as vLLM's ``--dtype`` accepts it, named as the fingerprint names it."""
+    return _DTYPE_ALIASES.get(dtype, dtype).removeprefix("torch.")
+
+
+def settings_differences(
+    saved: Fingerprint,
+    *,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+) -> list[tuple[str, object, object]]:
+    """The fields an engine's command line decides, checked without vLLM: ``(field, saved, wanted)``."""
+    wanted: list[tuple[str, object, object]] = []
+    if dtype not in (None, "auto"):
+        wanted.append(("dtype", saved.dtype, normalize_dtype(dtype)))
+    if quantization is not None:
+        wanted.append(("quantization", saved.quantization, None if quantization.lower() == "none" else quantization))
+    if tensor_parallel_size is not None:
+        wanted.append(("tensor_parallel_size", saved.tensor_parallel_size, tensor_parallel_size))
+    if pipeline_parallel_size is not None:
+        wanted.append(("pipeline_parallel_size", saved.pipeline_parallel_size, pipeline_parallel_size))
+    return [(name, was, now) for name, was, now in wanted if was != now]

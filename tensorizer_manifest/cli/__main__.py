@@ -1,0 +1,7 @@
+"""``python -m tensorizer_manifest.cli``: the ``tensorizer-manifest`` command, from any Python with the package."""
+
+from __future__ import annotations
+
+from .commands import main
+
+main()

@@ -1,0 +1,672 @@
+"""``tensorizer-manifest``: save, inspect, validate, diff, fetch, schema, demo.
+
+Known errors become one red line and exit code 1 (2 for usage errors, as
+click does); never a traceback. torch and vLLM are imported only by the
+commands that need them, so ``inspect`` and ``schema`` answer at once (click,
+not typer: typer imports pydantic for every invocation).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import TensorizerManifestError
+from ..testing.tiny import TINY_KINDS
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def app() -> None:
+    """Self-describing vLLM tensorizer checkpoints: save, inspect, validate, and load with
+    load_format='tensorizer_manifest'."""
+
+
+# Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
+_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
+
+
+@functools.cache
+def console():
+    """rich, imported on first use: `inspect --json` and `schema` never pay for it."""
+    from rich.console import Console
+
+    return Console(width=_WIDTH)
+
+
+@functools.cache
+def err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, width=_WIDTH)
+
+
+def _fail(exc: BaseException) -> None:
+    """One red line; exit 2 for a mistake in how the command was called, 1 otherwise."""
+    from ..errors import ConfigurationError
+
+    err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    raise SystemExit(2 if isinstance(exc, ConfigurationError) else 1)
+
+
+_PATH = click.Path(path_type=Path)
+
+
+def _location(value: str) -> Path | str:
+    """A checkpoint argument: a local path, or an ``s3://`` / ``http(s)://`` URI kept as it is."""
+    from ..storage.remote import is_remote
+
+    return value if is_remote(value) else Path(value)
+
+
+def remote_options(fn):
+    """``--s3-access-key-id``, ``--s3-secret-access-key``, ``--s3-endpoint``: for s3:// checkpoints."""
+    for option in reversed(
+        [
+            click.option(
+                "--s3-access-key-id",
+                default=None,
+                help="S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",
+            ),
+            click.option(
+                "--s3-secret-access-key",
+                default=None,
+                help="S3 secret key (else ~/.s3cfg, else $AWS_SECRET_ACCESS_KEY; prefer those: "
+                "a command line is visible to other users).",
+            ),
+            click.option(
+                "--s3-endpoint",
+                default=None,
+                help="S3 endpoint URL (else host_base in ~/.s3cfg, else $AWS_ENDPOINT_URL).",
+            ),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def encryption_key_option(help_text: str, *extra_names: str):
+    """``--encryption-key-file`` (vLLM's ``--encryption-keyfile`` too) as a command reads or writes it."""
+    return click.option(
+        "--encryption-key-file",
+        "--encryption-keyfile",
+        *extra_names,
+        "encryption_key_file",
+        type=_PATH,
+        default=None,
+        help=help_text,
+    )
+
+
+def _remote(s3_access_key_id, s3_secret_access_key, s3_endpoint):
+    from ..storage.remote import RemoteOptions
+
+    return RemoteOptions(s3_access_key_id, s3_secret_access_key, s3_endpoint)
+
+
+@app.command()
+@click.argument("location")
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@remote_options
+def inspect(location: str, json: bool, **remote) -> None:
+    """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state.
+
+    LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either
+    (only the manifest is read)."""
+    from ..storage.checkpoint import load_manifest
+    from .summary import as_json, render
+
+    path = _location(location)
+    try:
+        manifest, manifest_path = load_manifest(path, remote=_remote(**remote))
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    if json:
+        sys.stdout.buffer.write(as_json(manifest) + b"\n")
+    else:
+        render(manifest, str(manifest_path), console())
+        if not isinstance(path, Path) or not isinstance(manifest_path, Path):
+            return
+        others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
+        if path.is_dir() and others:
+            console().print(
+                f"(this directory holds {len(others) + 1} rank manifests; "
+                f"inspect the others by file: {', '.join(others)})"
+            )
+
+
+@app.command()
+@click.argument("location")
+@click.option("--json", "json", is_flag=True, help="Machine-readable report.")
+@click.option(
+    "--hashes/--no-hashes",
+    "--verify-hash/--no-verify-hash",
+    "hashes",
+    default=True,
+    help="Read every tensor and check its content hash (vLLM's verify_hash).",
+)
+@click.option("--dtype", default=None, help="Also check the checkpoint suits an engine with this dtype.")
+@click.option("--quantization", default=None, help="... with this quantization ('none' for unquantized).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="... with this TP size.")
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=None, help="... with this PP size.")
+@click.option(
+    "--engine",
+    is_flag=True,
+    help="Build the model with vLLM (no weights read) and check every layer's quant method and kernels.",
+)
+@click.option(
+    "--signing-key-file",
+    type=_PATH,
+    default=None,
+    help="Key the checkpoint was saved with (else $TENSORIZER_MANIFEST_SIGNING_KEY); only its seal passes.",
+)
+@remote_options
+@encryption_key_option(
+    "Key an encrypted checkpoint was saved with (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): its content "
+    "hashes are checked after decryption. Without it, all else is checked."
+)
+def validate(
+    location: str,
+    json: bool,
+    hashes: bool,
+    dtype,
+    quantization,
+    tensor_parallel_size,
+    pipeline_parallel_size,
+    engine: bool,
+    signing_key_file: Path | None,
+    encryption_key_file: Path | None,
+    **remote,
+) -> None:
+    """Check a checkpoint: manifest against tensor file (no vLLM, no GPU); exit 0 valid, 1 not, 2 usage.
+
+    LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either; a remote
+    tensor file is checked with ranged reads, and its content hashes as it streams."""
+    import msgspec
+
+    from ..checks.validate import check_engine_settings, validate_checkpoint
+    from ..progress import terminal_progress
+
+    with terminal_progress("hashing", enabled=hashes and not json) as progress:
+        report = validate_checkpoint(
+            _location(location),
+            verify_hashes=hashes,
+            signing_key_file=signing_key_file,
+            encryption_key_file=encryption_key_file,
+            progress=progress,
+            remote=_remote(**remote),
+        )
+    problems = list(report.problems)
+    if report.manifest_path is not None:
+        problems += check_engine_settings(
+            report.manifest_path,
+            dtype=dtype,
+            quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
+        if engine and not problems:
+            import contextlib
+
+            # vLLM logs to stdout; keep stdout for the report.
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+            with contextlib.redirect_stdout(sys.stderr):
+                from ..load.engine_check import check_against_engine
+
+                problems += check_against_engine(report.manifest_path, dtype=dtype, quantization=quantization)
+    if json:
+        doc = report.to_dict()
+        doc["ok"] = not problems
+        doc["problems"] = [p.to_dict() for p in problems]
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
+    else:
+        for problem in problems:
+            err_console().print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)
+        for warning in report.warnings:
+            err_console().print(f"[yellow]warning[/yellow] {warning}", highlight=False, soft_wrap=True)
+        if not problems:
+            console().print(
+                f"[green]valid[/green] {report.manifest_path}: {report.records} tensor records, "
+                f"{report.stored} stored{', encrypted' if report.encrypted else ''}, "
+                f"{report.hashes_checked} content hashes checked"
+            )
+    raise SystemExit(1 if problems else 0)
+
+
+@app.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@remote_options
+def diff(a: str, b: str, json: bool, **remote) -> None:
+    """What differs between two checkpoints (directories, manifest files or URIs); exit 0 when they are the
+    same, 1 when they differ."""
+    import msgspec
+
+    from ..storage.checkpoint import load_manifest
+    from .diff import diff_manifests
+
+    options = _remote(**remote)
+    try:
+        ma, _ = load_manifest(_location(a), remote=options)
+        mb, _ = load_manifest(_location(b), remote=options)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    result = diff_manifests(ma, mb)
+    if json:
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.to_dict()), indent=2) + b"\n")
+    else:
+        if result.same:
+            console().print("the checkpoints describe the same model, layers and tensors")
+        for field_name, x, y in result.fingerprint:
+            console().print(f"fingerprint.{field_name}: {x!r} -> {y!r}", highlight=False)
+        for path in result.layers_removed:
+            console().print(f"[red]- {path}[/red]", highlight=False)
+        for path in result.layers_added:
+            console().print(f"[green]+ {path}[/green]", highlight=False)
+        for path, what, x, y in result.layers_changed:
+            console().print(f"~ {path}: {what}: {x!r} -> {y!r}", highlight=False)
+    raise SystemExit(0 if result.same else 1)
+
+
+@app.command()
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@click.option("--markdown", is_flag=True, help="The table as Markdown (docs/kernels-inventory.md).")
+@click.option("--all", "show_all", is_flag=True, help="Also classes with no post-load step.")
+def kernels(json: bool, markdown: bool, show_all: bool) -> None:
+    """Every vLLM class with a post-load step in the installed vLLM, with its strategy (our restorer, vLLM's
+    pre-processed branch, raw only) and verification status."""
+    import msgspec
+
+    from ..restorers.inventory import STRATEGY_NONE, build_inventory, to_markdown
+
+    inventory = build_inventory()
+    if not show_all:
+        inventory.entries = [e for e in inventory.entries if e.strategy != STRATEGY_NONE]
+    if json:
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(inventory.to_dict()), indent=2) + b"\n")
+        return
+    if markdown:
+        sys.stdout.write(to_markdown(inventory))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"vLLM {inventory.vllm_version}: classes with a post-load step")
+    for column in ("family", "vLLM class", "strategy", "restorer", "status"):
+        table.add_column(column)
+    for e in inventory.entries:
+        table.add_row(
+            e.family, e.vllm_class.removeprefix("vllm.model_executor."), e.strategy, e.restorer or "-", e.status
+        )
+    console().print(table)
+    console().print(f"{len(inventory.unimportable)} vLLM modules do not import here (other hardware); not listed")
+
+
+@app.command("verify-kernels")
+@click.argument("model")
+@click.option("--work-dir", type=_PATH, default=None, help="Where the checkpoint is written (default: a temp dir).")
+@click.option("--dtype", default="auto", show_default=True, help="Model dtype, as vLLM's --dtype.")
+@click.option("--quantization", default=None, help="As vLLM's --quantization.")
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--kv-cache-dtype", default=None, help="As vLLM's --kv-cache-dtype.")
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
+@click.option("--record-out", type=_PATH, default=None, help="Write the verification records (JSON) here.")
+@click.option("--install", is_flag=True, help="Add passing records to your verified set (see `kernels`).")
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def verify_kernels(
+    model: str,
+    work_dir: Path | None,
+    dtype: str,
+    quantization: str | None,
+    max_model_len: int | None,
+    kv_cache_dtype: str | None,
+    engine_arg: tuple[str, ...],
+    record_out: Path | None,
+    install: bool,
+    json: bool,
+) -> None:
+    """Save MODEL processed, load it back and with vLLM's default loader on this machine, and compare tokens,
+    every processed tensor (bitwise) and post-load calls; one verification record per restorer. Exit 0 when
+    every restorer passed."""
+    import datetime
+    import tempfile
+
+    import msgspec
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
+    from ..format.verification import user_records_dir, write_records
+    from .verify_kernels import verify_kernels as run_verification
+
+    engine_args = parse_engine_args(engine_arg)
+    for key, value in (("dtype", dtype), ("quantization", quantization), ("max_model_len", max_model_len)):
+        if value is not None:
+            engine_args.setdefault(key, value)
+    if kv_cache_dtype is not None:
+        engine_args["kv_cache_dtype"] = kv_cache_dtype
+    with tempfile.TemporaryDirectory(prefix="tm-verify-") as scratch:
+        try:
+            result = run_verification(model, work_dir or scratch, engine_args=engine_args)
+        except TensorizerManifestError as exc:
+            _fail(exc)
+    if record_out is not None:
+        write_records(result.records, record_out)
+    if install:
+        passing = [r for r in result.records if r.result == "pass"]
+        stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+        write_records(passing, user_records_dir() / f"{stamp}-{Path(model).name}.json")
+    if json:
+        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.records), indent=2) + b"\n")
+    else:
+        for r in result.records:
+            colour = "green" if r.result == "pass" else "red"
+            console().print(
+                f"[{colour}]{r.result}[/{colour}] {r.restorer} on {r.device_type} ({r.device_name}): "
+                f"{r.layers} layers{'; ' + r.detail if r.detail else ''}",
+                highlight=False,
+            )
+        if not result.records:
+            console().print("no layer of this model was saved processed by a restorer: nothing to verify")
+    raise SystemExit(0 if result.passed else 1)
+
+
+@app.command()
+def schema() -> None:
+    """Print the manifest's JSON Schema (generated from the types)."""
+    import msgspec
+
+    from ..format.schema import json_schema
+
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
+
+
+def parse_engine_args(items: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` pairs as vLLM keyword arguments: JSON values where they parse, strings otherwise."""
+    import json
+
+    args: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--engine-arg")
+        try:
+            args[key.strip().replace("-", "_")] = json.loads(value)
+        except ValueError:
+            args[key.strip().replace("-", "_")] = value
+    return args
+
+
+@app.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--dtype", default="auto", show_default=True, help="Model dtype, as vLLM's --dtype.")
+@click.option("--quantization", default=None, help="As vLLM's --quantization.")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=1, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--revision", default=None)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option(
+    "--kv-cache-dtype", default=None, help="As vLLM's --kv-cache-dtype (e.g. fp8); the loading engine must match."
+)
+@click.option("--enable-expert-parallel", is_flag=True, help="As vLLM's --enable-expert-parallel.")
+@click.option(
+    "--engine-arg",
+    "engine_arg",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any other vllm.LLM option, repeatable; VALUE is read as JSON when it parses (4, true, {...}), "
+    "else as a string. KEY may be spelled as the vllm serve flag (max-num-seqs).",
+)
+@click.option(
+    "--cpu-gemm",
+    type=click.Choice(["auto", "fallback"]),
+    default="auto",
+    show_default=True,
+    help="CPU only: 'fallback' keeps linear weights so those layers save processed.",
+)
+@click.option(
+    "--portable",
+    is_flag=True,
+    help="Save every layer raw: loads on any machine whose engine settings match (vLLM's step runs at load).",
+)
+@click.option(
+    "--allow-unverified",
+    is_flag=True,
+    help="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
+)
+@click.option(
+    "--fallbacks/--no-fallbacks",
+    default=True,
+    show_default=True,
+    help="Keep raw tensors beside layers saved in a form one machine kind or one kernel produces (4-bit "
+    "repacks, prepacked experts): other machines and vLLM versions load those layers through vLLM's step. "
+    "--no-fallbacks saves only the processed form (smaller; refused where it does not fit).",
+)
+@click.option(
+    "--signing-key-file",
+    type=_PATH,
+    default=None,
+    help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
+    "without a key, a plain digest). Loading and validating then need the same key.",
+)
+@remote_options
+@encryption_key_option(
+    "Encrypt the tensor data with tensorizer's encryption under this key file (else "
+    "$TENSORIZER_MANIFEST_ENCRYPTION_KEY); without --signing-key-file the manifest is sealed with it too. "
+    "Loading needs the same key (encryption_key_file in model_loader_extra_config).",
+    "--encrypt-key-file",
+)
+def save(
+    src: str,
+    out: str,
+    dtype,
+    quantization,
+    tensor_parallel_size,
+    pipeline_parallel_size,
+    max_model_len,
+    revision,
+    trust_remote_code: bool,
+    kv_cache_dtype: str | None,
+    enable_expert_parallel: bool,
+    engine_arg: tuple[str, ...],
+    cpu_gemm: str,
+    portable: bool,
+    allow_unverified: bool,
+    fallbacks: bool,
+    signing_key_file: Path | None,
+    s3_access_key_id: str | None,
+    s3_secret_access_key: str | None,
+    s3_endpoint: str | None,
+    encryption_key_file: Path | None,
+) -> None:
+    """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
+    its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
+    *.manifest.json). OUT is a directory or s3://bucket/prefix (uploaded tensors first, manifests last)."""
+    from ..errors import ConfigurationError
+    from ..progress import interactive
+    from ..save.from_source import save_checkpoint
+
+    engine_args = parse_engine_args(engine_arg)
+    if kv_cache_dtype is not None:
+        engine_args["kv_cache_dtype"] = kv_cache_dtype
+    if enable_expert_parallel:
+        engine_args["enable_expert_parallel"] = True
+    try:
+        result = save_checkpoint(
+            src,
+            out,
+            dtype=dtype,
+            quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            max_model_len=max_model_len,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            cpu_gemm=cpu_gemm,
+            portable=portable,
+            allow_unverified=allow_unverified,
+            fallbacks=fallbacks,
+            engine_args=engine_args,
+            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
+            s3_access_key_id=s3_access_key_id,
+            s3_secret_access_key=s3_secret_access_key,
+            s3_endpoint=s3_endpoint,
+            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+            progress=interactive(),
+        )
+    except ConfigurationError as exc:
+        err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    for rank in result.ranks:
+        console().print(
+            f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "
+            f"{rank['raw_layers']} raw{', encrypted' if rank.get('encryption', 'none') != 'none' else ''}) "
+            f"and {Path(rank['manifest']).name}"
+        )
+        if rank.get("fallback_layers"):
+            console().print(
+                f"  {rank['fallback_layers']} layers in a machine- or kernel-specific form keep a raw fallback "
+                f"({rank['fallback_bytes']:,} bytes; --no-fallbacks leaves it out)"
+            )
+    console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    extra = (
+        ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"
+        if encryption_key_file is not None
+        else ""
+    )
+    if isinstance(result.out_dir, str):
+        console().print(
+            f"load it with: tensorizer-manifest fetch {result.out_dir} DIR, then LLM(model=DIR, "
+            f"load_format='tensorizer_manifest', model_loader_extra_config={{'checkpoint_dir': {result.out_dir!r}}})"
+        )
+    else:
+        console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest'{extra})")
+
+
+@app.command("add-form")
+@click.argument("checkpoint")
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
+@click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
+@encryption_key_option("An encrypted checkpoint's key.")
+@remote_options
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def add_form_command(
+    checkpoint: str,
+    engine_arg: tuple[str, ...],
+    signing_key_file: Path | None,
+    encryption_key_file: Path | None,
+    s3_access_key_id: str | None,
+    s3_secret_access_key: str | None,
+    s3_endpoint: str | None,
+    json: bool,
+) -> None:
+    """Add this machine's processed form to CHECKPOINT (a directory or s3://bucket/prefix saved with raw
+    fallbacks).
+
+    Loads it here with vLLM (the saved engine settings), runs vLLM's step on every layer whose saved form
+    this machine or this vLLM would not produce, and adds the result as a tensor file and manifest entries
+    of its own, sealed again (on S3: the tensor file uploaded first, the manifest last). From then on this
+    machine kind loads those layers processed."""
+    from ..save.add_form import add_form
+
+    try:
+        result = add_form(
+            checkpoint,
+            engine_args=parse_engine_args(engine_arg),
+            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
+            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
+            s3_access_key_id=s3_access_key_id,
+            s3_secret_access_key=s3_secret_access_key,
+            s3_endpoint=s3_endpoint,
+        )
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    if json:
+        console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
+        return
+    for rank in result.ranks:
+        if rank["tensor_file"]:
+            console().print(
+                f"added the form of {len(rank['added'])} layers made here: {rank['tensor_file']} "
+                f"({rank['bytes']:,} bytes); this machine kind now loads them processed"
+            )
+        elif not rank["not_added"]:
+            console().print("nothing to add: every layer with a fallback already loads processed here")
+        else:
+            console().print("nothing added: no verified restorer covers what vLLM's step made here")
+        for path, why in rank["not_added"].items():
+            console().print(f"  {path}: stays on its fallback here ({why})", highlight=False)
+
+
+@app.command()
+@click.argument("uri")
+@click.argument("cache_dir", type=_PATH)
+@remote_options
+def fetch(uri: str, cache_dir: Path, **remote) -> None:
+    """Download the config and tokenizer files (no weights) of the remote checkpoint URI into CACHE_DIR.
+
+    vLLM's model must be a local directory: start it with model=CACHE_DIR,
+    load_format='tensorizer_manifest' and model_loader_extra_config={"checkpoint_dir": URI}; the tensors
+    stream from URI at load."""
+    from ..storage.remote import fetch_model_files, is_remote
+
+    if not is_remote(uri):
+        err_console().print(f"[red]error:[/red] {uri}: not an s3:// or http(s):// URI", highlight=False)
+        raise SystemExit(2)
+    try:
+        target = fetch_model_files(uri, cache_dir, _remote(**remote))
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    console().print(f"fetched {', '.join(sorted(p.name for p in target.iterdir()))} into {target}", highlight=False)
+    config = json_dumps({"checkpoint_dir": uri})
+    console().print(
+        f"start vLLM with: --model {target} --load-format tensorizer_manifest --model-loader-extra-config '{config}'",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def json_dumps(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@app.command()
+@click.option(
+    "--work-dir",
+    type=_PATH,
+    default=Path(".cache/demo"),
+    show_default=True,
+    help="Where the tiny model and checkpoint are kept (cached).",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(TINY_KINDS),
+    default="w8a8-int8",
+    show_default=True,
+    help="Tiny model; w8a8-int8 has raw and processed layers.",
+)
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option("--verbose", "-v", is_flag=True, help="Show vLLM's INFO logs (only its warnings and errors otherwise).")
+def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
+    """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
+    # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    from ..progress import interactive
+    from .demo import run_demo
+
+    try:
+        ok = run_demo(work_dir, kind, max_tokens, console(), progress=interactive())
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    raise SystemExit(0 if ok else 1)
+
+
+def main() -> None:
+    app(prog_name="tensorizer-manifest")

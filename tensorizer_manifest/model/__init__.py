@@ -1,0 +1,6 @@
+"""The live model: observing a vLLM layer (tensors, kernels, runtime state) and turning tensors into records.
+
+``layers`` snapshots a layer and diffs two snapshots; ``tensors`` makes a tensor's exact record and puts a
+record's tensor back. Both directions use it: save observes, load restores. Imports ``storage`` (spill) and
+``format``; never the save or load steps.
+"""

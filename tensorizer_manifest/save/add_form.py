@@ -1,0 +1,173 @@
+"""``add-form``: a second machine kind (or another vLLM) adds its own processed form to a checkpoint.
+
+A checkpoint saved with raw fallbacks loads everywhere, but on a machine whose kernels lay a layer out
+otherwise it loads that layer through its fallback and vLLM's step, at every start. ``add_form`` starts
+an engine here on the checkpoint (the saved engine settings, the manifest loader), observes vLLM's step
+on each layer that falls back, and adds what it made to the checkpoint where a verified restorer covers
+it: a tensor file of its own, a new entry in the manifest's ``added_forms``, a new seal. From then on this
+machine kind loads those layers processed too; the others are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, Field, ValidationError
+
+from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from ..errors import CheckpointNotFoundError, ConfigurationError
+from ..format.schema import MANIFEST_SUFFIX
+from ..storage.checkpoint import read_manifest
+from ..storage.options import S3Options, describe_validation_error
+from ..storage.remote import RemoteDir, fetch_model_files, is_remote
+from .from_source import (
+    encryption_key_file_path,
+    read_model_config,
+    saving_context_len,
+    saving_kv_cache_bytes,
+    shutdown,
+    signing_key_file_path,
+)
+
+
+class AddFormOptions(S3Options):
+    """What ``add_form`` accepts (validated, with readable errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    signing_key_file: str | None = Field(
+        None, description="The key the checkpoint is sealed with (else $TENSORIZER_MANIFEST_SIGNING_KEY)."
+    )
+    encryption_key_file: str | None = Field(
+        None, description="An encrypted checkpoint's key (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY)."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further vllm.LLM keyword arguments. The engine settings a checkpoint records (dtype, "
+        "quantization, parallel sizes, KV-cache dtype) are taken from it; one given here that differs is refused.",
+    )
+
+
+@dataclass
+class AddFormResult:
+    checkpoint: Path | str
+    """The local directory, or the ``s3://`` URI."""
+    ranks: list[dict] = field(default_factory=list)
+    """Per rank: the layers added (``added``), the fallback layers no verified restorer covers here
+    (``not_added``, with why), the new tensor file and its bytes."""
+
+
+def engine_settings(manifest_path: Path) -> dict[str, Any]:
+    """The engine settings the checkpoint was saved with, as ``vllm.LLM`` keyword arguments."""
+    fp = read_manifest(manifest_path).fingerprint
+    return dict(
+        dtype=fp.dtype,
+        quantization=fp.quantization,
+        tensor_parallel_size=fp.tensor_parallel_size,
+        pipeline_parallel_size=fp.pipeline_parallel_size,
+        kv_cache_dtype=fp.kv_cache_dtype,
+        enable_expert_parallel=fp.expert_parallel,
+    )
+
+
+def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
+    """Add this machine's processed form of the layers that load here through their raw fallback.
+
+    ``checkpoint`` is a directory or an ``s3://bucket/prefix`` (credentials: the ``s3_*`` options, else
+    ``~/.s3cfg``, else ``AWS_*`` variables). Refused before an engine starts when no layer of the checkpoint
+    has a fallback (saved with ``--no-fallbacks`` or ``--portable``, or by 0.3 and older: re-save it).
+    Crash-safe as saving is: the new tensor file first, the manifest replaced in one rename (one upload on
+    S3); a loader reading the old manifest meanwhile still loads, and an interrupted run leaves the
+    checkpoint as it was.
+    """
+    try:
+        opts = AddFormOptions(**options)
+    except ValidationError as exc:
+        raise ConfigurationError(f"invalid add-form option: {describe_validation_error(exc)}") from None
+    if is_remote(str(checkpoint)):
+        return _add_form_remote(str(checkpoint), opts)
+    if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
+        raise ConfigurationError("the s3_* options are for an s3:// checkpoint; this one is a local directory")
+    return _add_form(Path(checkpoint).expanduser().resolve(), opts)
+
+
+def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
+    """An ``s3://`` checkpoint: its manifests and model files are staged in a temporary directory, the engine
+    streams the tensors from ``uri``, and the new tensor files are uploaded first, the manifests that changed
+    last (each upload is atomic: a loader meanwhile reads the old manifest and its files, all still there), each
+    only over the version staged (``RemoteFile.upload_if``: ``ConcurrentWriteError`` when another writer came
+    first)."""
+    remote = opts.remote()
+    location = RemoteDir(uri, remote)
+    if location.scheme != "s3":
+        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
+        stage = Path(staging)
+        fetch_model_files(uri, stage, remote)
+        staged: dict[str, tuple[str | None, bytes]] = {}  # manifest -> (its ETag, its bytes) as staged
+        for name in location.list_names():
+            if name.endswith(MANIFEST_SUFFIX):
+                manifest = location / name
+                manifest.download(stage / name)
+                staged[name] = (manifest.etag or manifest.current_etag(), (stage / name).read_bytes())
+        result = _add_form(stage, opts, checkpoint_dir=uri)
+        new_files = [rank["tensor_file"] for rank in result.ranks if rank["tensor_file"]]
+        for name in new_files:
+            (location / name).upload(stage / name)
+        for name, (etag, before) in sorted(staged.items()):
+            if (stage / name).read_bytes() != before:  # a rank that added a form: only over the version staged
+                (location / name).upload_if(stage / name, etag)
+    return AddFormResult(checkpoint=uri, ranks=result.ranks)
+
+
+def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None = None) -> AddFormResult:
+    """Add the form to the checkpoint whose manifests are in ``directory`` (its tensors at ``checkpoint_dir``,
+    by default beside them)."""
+    manifests = sorted(directory.glob(f"*{MANIFEST_SUFFIX}")) if directory.is_dir() else []
+    if not manifests:
+        raise CheckpointNotFoundError(f"{directory}: no *{MANIFEST_SUFFIX} here: not a tensorizer-manifest checkpoint")
+    for path in manifests:
+        if not any(m.fallback for m in read_manifest(path).modules):
+            raise ConfigurationError(
+                f"{path}: no layer has a raw fallback, so there is nothing another machine can make its form from "
+                "(saved with --no-fallbacks or --portable, or by tensorizer-manifest 0.3). Re-save it from the "
+                "source weights with `tensorizer-manifest save` (fallbacks are kept by default), then add forms"
+            )
+    key_file = signing_key_file_path(opts.signing_key_file)
+    encryption_key_file = encryption_key_file_path(opts.encryption_key_file)
+    config = read_model_config(directory)
+    loader_config: dict[str, Any] = {"add_form": True}
+    if checkpoint_dir is not None:
+        loader_config["checkpoint_dir"] = checkpoint_dir
+        remote = opts.remote()
+        loader_config.update(
+            {k: v for k, v in (("s3_access_key_id", remote.access_key_id),
+                               ("s3_secret_access_key", remote.secret_access_key),
+                               ("s3_endpoint", remote.endpoint)) if v is not None}
+        )  # fmt: skip
+    if key_file is not None:
+        loader_config["signing_key_file"] = key_file
+    if encryption_key_file is not None:
+        loader_config["encryption_key_file"] = encryption_key_file
+    kwargs: dict[str, Any] = dict(
+        engine_settings(manifests[0]),
+        max_model_len=saving_context_len(config),
+        kv_cache_memory_bytes=saving_kv_cache_bytes(config),
+        enforce_eager=True,
+        max_num_seqs=1,
+        model_loader_extra_config=loader_config,
+    )
+    kwargs.update(opts.engine_args)
+
+    from vllm import LLM
+
+    llm = LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION, **kwargs)
+    try:
+        ranks = llm.collective_rpc("add_tensorizer_manifest_form", args=(str(directory), key_file, encryption_key_file))
+    finally:
+        shutdown(llm)
+    return AddFormResult(checkpoint=directory, ranks=list(ranks))

@@ -1,0 +1,345 @@
+"""Save side, from Python: start a vLLM engine that observes its own post-load step, then save.
+
+The counterpart of vLLM's ``save_tensorized_model``. With an engine of your
+own, start it with ``load_format=CAPTURE_LOAD_FORMAT`` and
+``worker_extension_cls=WORKER_EXTENSION`` and call
+``llm.collective_rpc("save_tensorizer_manifest", args=(out_dir,))``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError
+
+from .. import _vllm_compat
+from .._constants import (
+    CAPTURE_LOAD_FORMAT,
+    CPU_GEMM_ENV,
+    ENCRYPTION_KEY_ENV,
+    SIGNING_KEY_ENV,
+    SPILL_DIR_ENV,
+    WORKER_EXTENSION,
+)
+from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
+from ..storage.checkpoint import encryption_key_from, signing_key_from
+from ..storage.options import S3Options, describe_validation_error
+from ..storage.remote import RemoteDir, is_remote, upload_checkpoint
+from .write import copy_model_files
+
+
+class SaveOptions(S3Options):
+    """Engine options a user sets when saving (validated, with readable errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str = "auto"
+    quantization: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The saving engine's context. By default a short one (SAVING_CONTEXT_LEN tokens, or the model's own "
+            "if shorter): the saving engine serves no request, and nothing saved depends on it, so the "
+            "checkpoint loads in an engine of any max_model_len."
+        ),
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description=(
+            "The saving engine's KV cache. By default 64 MiB, or room for 256 tokens where a model's are larger "
+            "(vLLM's CPU cache blocks are 128 or 256 tokens): saving serves no request."
+        ),
+    )
+    revision: str | None = None
+    trust_remote_code: bool = False
+    cpu_gemm: Literal["auto", "fallback"] = Field(
+        "auto",
+        description=(
+            "On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed."
+        ),
+    )
+    portable: bool = Field(False, description="Save every layer raw: loads on any machine whose engine settings match.")
+    allow_unverified: bool = Field(
+        False, description="Save processed also where the restorer is not verified on this device kind."
+    )
+    fallbacks: bool = Field(
+        True,
+        description=(
+            "Keep, beside each layer saved processed in a form that belongs to one machine kind or one kernel "
+            "(4-bit repacks, prepacked experts), its raw tensors: the checkpoint then loads on other machines and "
+            "other vLLM versions, those layers through vLLM's own step. False saves only the processed form "
+            "(smaller; refused where the form does not fit). docs/performance.md has the bytes it adds."
+        ),
+    )
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
+    signing_key_file: str | None = Field(
+        None,
+        description=(
+            "Path of a key file (else $TENSORIZER_MANIFEST_SIGNING_KEY): the manifest is sealed with a MAC that "
+            "only the key's holders can make; without one, with a plain digest."
+        ),
+    )
+    encryption_key_file: str | None = Field(
+        None,
+        description=(
+            "Path of a key file (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): the tensor data is encrypted with "
+            "tensorizer's encryption under a key derived from it; without a signing key, the manifest is sealed "
+            "with a MAC keyed from it too."
+        ),
+    )
+    progress: bool = Field(
+        False, description="Draw a progress bar of the write on stderr (when stdout and stderr are terminals)."
+    )
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> SaveOptions:
+        """Validated options; a mistake is a ``ConfigurationError`` naming the option (never its value)."""
+        try:
+            return cls(**options)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid save option: {describe_validation_error(exc)}") from None
+
+
+_NO_REMOTE = {"s3_access_key_id": None, "s3_secret_access_key": None, "s3_endpoint": None}
+
+
+@dataclass
+class SaveResult:
+    out_dir: Path | str
+    """The local directory, or the ``s3://`` URI the checkpoint was uploaded to."""
+    ranks: list[dict] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
+
+
+def resolve_model_dir(src: str, revision: str | None = None) -> Path:
+    """A local directory for ``src``: itself, or its snapshot in the Hugging Face cache (never downloaded)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(src, revision=revision, local_files_only=True))
+    except Exception as exc:
+        raise CheckpointNotFoundError(
+            f"{src}: not a local directory and not in the Hugging Face cache ({exc.__class__.__name__}); "
+            "download the model first or pass a local path"
+        ) from None
+
+
+def apply_cpu_gemm(mode: str) -> None:
+    """Select vLLM's CPU GEMM path in this process and (through the env) in its workers."""
+    if mode == "fallback":
+        os.environ[CPU_GEMM_ENV] = "fallback"
+        _vllm_compat.disable_onednn()
+
+
+#: The saving engine's context when none is asked for. vLLM sizes the KV cache to hold one sequence of
+#: ``max_model_len`` tokens, and a model's own context (128k for Llama 3) would need gigabytes of it; the
+#: saving engine only loads and processes weights, which no context length changes
+#: (``docs/fingerprint-policy.md``). Short enough that 64 MiB of KV cache holds it for any model that fits.
+SAVING_CONTEXT_LEN = 32
+
+#: Config keys vLLM derives a model's context from (``derive_max_model_len_and_key``), smallest wins.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """The model's config.json, its text part merged over it (multimodal configs); {} when unreadable, and
+    vLLM then says what is wrong with it."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def saving_context_len(config: dict[str, Any]) -> int:
+    """``SAVING_CONTEXT_LEN``, or the model's own context where that is shorter (vLLM refuses a longer one)."""
+    lengths = [v for k in _CONTEXT_KEYS if isinstance(v := config.get(k), int) and v > 0]
+    return min([SAVING_CONTEXT_LEN, *lengths])
+
+
+#: What the saving engine's KV cache holds at least: two blocks of vLLM's CPU cache (128 tokens, 256 for some
+#: backends), whatever the context, so that vLLM's check that one sequence fits passes for any model.
+_SAVING_KV_TOKENS = 256
+
+
+def saving_kv_cache_bytes(config: dict[str, Any]) -> int:
+    """64 MiB, or ``_SAVING_KV_TOKENS`` of the model's keys and values in float32 where that is more (a 405B
+    model's 126 layers take 1 MiB a token). A config without the sizes gets 64 MiB."""
+    fields = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    if not all(isinstance(config.get(k), int) and config[k] > 0 for k in fields):
+        return 64 << 20
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * heads * head_dim * 4
+    return max(64 << 20, per_token * _SAVING_KV_TOKENS)
+
+
+def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
+    """The saving engine's ``vllm.LLM`` keyword arguments for the model in ``model_dir``."""
+    config = read_model_config(model_dir)
+    max_model_len = options.max_model_len
+    if max_model_len is None and "max_model_len" not in options.engine_args:
+        max_model_len = saving_context_len(config)
+    kv_cache_memory_bytes = options.kv_cache_memory_bytes
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = saving_kv_cache_bytes(config)
+    kwargs: dict[str, Any] = dict(
+        dtype=options.dtype,
+        quantization=options.quantization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        revision=options.revision,
+        trust_remote_code=options.trust_remote_code,
+        enforce_eager=True,
+        max_num_seqs=1,
+        model_loader_extra_config={
+            "portable": options.portable,
+            "allow_unverified": options.allow_unverified,
+            "fallbacks": options.fallbacks,
+        },
+    )
+    kwargs.update(options.engine_args)
+    return kwargs
+
+
+def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> SaveResult:
+    """Load ``src`` with vLLM and write a self-describing checkpoint into ``out``.
+
+    ``out`` receives the config and tokenizer files of ``src`` (copied), one
+    ``*.tensors`` file and one ``*.manifest.json`` per rank. While saving, the
+    pre-step tensors of layers with a post-load step wait in a nameless
+    temporary file on ``out``'s filesystem (``$TENSORIZER_MANIFEST_SPILL_DIR``
+    when set), not in memory: about the model's size of free disk besides it.
+    An ``s3://bucket/prefix``
+    ``out`` is saved into a temporary directory first, then uploaded: tensor files,
+    then config and tokenizer files, manifests last (credentials: the ``s3_*``
+    options, else ``~/.s3cfg``, else ``AWS_*`` variables).
+    """
+    opts = SaveOptions.parse(options)
+    if is_remote(str(out)):
+        remote = opts.remote()
+        RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts
+        if not str(out).lower().startswith("s3://"):
+            raise ConfigurationError(f"{out}: only s3:// checkpoints can be written; http(s) is read-only")
+        with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-save-") as staging:
+            local = save_checkpoint(src, staging, **{**options, **_NO_REMOTE})
+            upload_checkpoint(Path(staging), str(out), remote)
+        return SaveResult(out_dir=str(out).rstrip("/"), ranks=local.ranks, copied_files=local.copied_files)
+    if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
+        raise ConfigurationError("the s3_* options are for an s3:// output; this output is a local directory")
+    key_file = signing_key_file_path(opts.signing_key_file)
+    encryption_key_file = encryption_key_file_path(opts.encryption_key_file)
+    src_dir = resolve_model_dir(str(src), opts.revision)
+    out_dir = Path(out).expanduser().resolve()
+    if out_dir == src_dir.resolve():
+        raise TensorizerManifestError(f"{out_dir}: the output directory must differ from the source model directory")
+    apply_cpu_gemm(opts.cpu_gemm)
+
+    from vllm import LLM
+
+    # The capture copies pre-step tensors to a nameless file beside the output, not into memory.
+    with _environ(SPILL_DIR_ENV, os.environ.get(SPILL_DIR_ENV) or str(existing_parent(out_dir))):
+        llm = LLM(
+            model=str(src_dir),
+            load_format=CAPTURE_LOAD_FORMAT,
+            worker_extension_cls=WORKER_EXTENSION,
+            **engine_kwargs(opts, src_dir),
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ranks = llm.collective_rpc(
+            "save_tensorizer_manifest", args=(str(out_dir), False, key_file, encryption_key_file, opts.progress)
+        )
+    finally:
+        shutdown(llm)
+    copied = copy_model_files(src_dir, out_dir)
+    return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
+
+
+def signing_key_file_path(option: str | None) -> str | None:
+    """The key file a save uses, checked now (before an engine starts), as an absolute path for the workers."""
+    path = option if option is not None else os.environ.get(SIGNING_KEY_ENV) or None
+    if path is None:
+        return None
+    signing_key_from(option)  # the option, else the variable: a ConfigurationError now, not in every worker
+    return str(Path(path).expanduser().resolve())
+
+
+def encryption_key_file_path(option: str | None) -> str | None:
+    """The encryption key file a save uses, checked now, as an absolute path for the workers."""
+    path = option if option is not None else os.environ.get(ENCRYPTION_KEY_ENV) or None
+    if path is None:
+        return None
+    encryption_key_from(option)
+    return str(Path(path).expanduser().resolve())
+
+
+def existing_parent(path: Path) -> Path:
+    """``path`` if it is a directory, else its nearest existing ancestor (the filesystem it will be on)."""
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return candidate
+    return Path.cwd()
+
+
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` within the block (worker processes started in it inherit it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an engine and free its memory, so another can start in this process."""
+    try:
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:  # best effort: nothing to clean when no group was made
+            pass

