@@ -44,6 +44,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.model_loader.reload.meta", "to_meta_tensor", ()),
     ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor", ()),
     ("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS", ()),
+    ("vllm.model_executor.model_loader.reload.utils", "get_tensor_load_numel", ()),
     ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs", ()),
     ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", ()),
 )  # fmt: skip
@@ -465,8 +466,9 @@ def numel_loaded(weight_loader: Any, bound_args: Any) -> tuple[int, Any]:
 
 
 def load_numel(tensor: Any) -> int:
-    """The elements of a tensor its weight loaders fill (padding a weight's creator declares excluded)."""
-    return int(getattr(tensor, "weight_loader_numel", tensor.numel()))
+    """The elements of a tensor its weight loaders fill (padding a weight's creator declares excluded), as vLLM's
+    reloading counts them."""
+    return int(private("vllm.model_executor.model_loader.reload.utils", "get_tensor_load_numel")(tensor))
 
 
 def default_weight_loader() -> Any:

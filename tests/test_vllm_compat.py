@@ -97,3 +97,12 @@ def test_the_save_reads_safetensors_unmapped_and_puts_vllms_reader_back(tmp_path
         # dict comes in no fixed order)
         assert sorted(n for n, _ in read([str(path)], False, "eager")) == ["a", "b"]
     assert default_loader.safetensors_weights_iterator is original
+
+
+def test_load_numel_is_vllms_count_of_what_weight_loaders_fill():
+    import torch
+
+    padded = torch.empty(4, 8)
+    assert _vllm_compat.load_numel(padded) == 32
+    padded.weight_loader_numel = 24  # a MoE weight whose creator padded it, as vLLM's unquantized MoE does
+    assert _vllm_compat.load_numel(padded) == 24

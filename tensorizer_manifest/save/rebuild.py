@@ -16,6 +16,16 @@ The comparison is the guarantee: every tensor the live layer holds must come out
 bit-identical, else the engine's weights are not its source's (a LoRA merged, an RLHF update, another
 revision) and nothing is saved. Processed layers are then written from the live tensors (the same bytes),
 raw layers from their rebuilt pre-step copies (on disk, as the capture loader keeps them).
+
+Why not vLLM's own layerwise reload (``reload.layerwise``), whose counting this copies: its driver works on
+the live model, and a save must not touch it. It swaps the live layer's tensors for meta ones, runs the step
+as soon as a layer's weights are in, with no point between to snapshot the pre-step state a save writes,
+and copies the result into the live kernel tensors (``_copy_and_restore_kernel_tensors``). Its parts are
+used as they are (``_vllm_compat``: the records, ``get_numel_loaded``, ``get_tensor_load_numel``, the meta
+tensors, ``restore_layer_refs``); the driver here differs from vLLM's on purpose: it works on a shadow,
+takes the tensors vLLM does not record (a ``bias`` made after the weights) from the live layer rather than
+re-counting as they appear, and classifies a layer inside an attention layer after the attention steps, as
+the capture loader sees it.
 """
 
 from __future__ import annotations

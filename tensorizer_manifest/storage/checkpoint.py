@@ -121,6 +121,31 @@ def no_manifest_error(tensor_file: FileLocation, source: str = "SOURCE_MODEL", s
     return error
 
 
+def checkpoint_location(
+    tensorizer_uri: str | None, checkpoint_dir: str | None, model_path: str
+) -> tuple[str, str | None]:
+    """Where a loader's checkpoint is, and the tensor file vLLM's ``tensorizer_uri`` names there (None if none,
+    or a per-rank ``%`` template): the uri's directory, else ``checkpoint_dir``, else the model path.
+
+    What a ``tensorizer_uri`` means is decided here and in ``check_named_tensor_file`` alone; ``options`` only
+    turns vLLM's option names into this package's.
+    """
+    if tensorizer_uri is None:
+        return checkpoint_dir or model_path, None
+    directory, _, name = tensorizer_uri.rstrip("/").rpartition("/")
+    if not name.endswith(TENSORS_SUFFIX):
+        raise ConfigurationError(
+            f"tensorizer_uri must name a {TENSORS_SUFFIX} file (got one ending {name[-40:]!r}); "
+            "give a checkpoint directory as tensorizer_dir"
+        )
+    directory = directory or "."
+    if checkpoint_dir is not None and checkpoint_dir.rstrip("/") != directory:
+        raise ConfigurationError(
+            "tensorizer_uri and tensorizer_dir (checkpoint_dir) name two directories; give one of them"
+        )
+    return directory, None if "%" in name else name
+
+
 def check_named_tensor_file(manifest: Manifest, manifest_path: FileLocation, name: str) -> None:
     """A tensor file named by the user (vLLM's ``tensorizer_uri``) must be one the manifest beside it names."""
     names = manifest.tensor_file_names()

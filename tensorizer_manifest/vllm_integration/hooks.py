@@ -30,7 +30,7 @@ from ..checks.fingerprint import check_compatible, engine_fingerprint
 from ..checks.seal import unsealed_warning
 from ..checks.validate import open_checked_forms
 from ..errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
-from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
+from ..format.schema import MANIFEST_SUFFIX
 from ..load import replay
 from ..load.forms import choose_forms
 from ..load.restore import check_model, restore_tensors
@@ -40,6 +40,7 @@ from ..save.write import copy_model_files, prepare_checkpoint, write_added_form
 from ..storage.checkpoint import (
     check_named_tensor_file,
     check_one_save,
+    checkpoint_location,
     checkpoint_stem,
     encryption_key_from,
     load_manifest,
@@ -164,20 +165,7 @@ class LoadOptions(S3Options):
 
     def checkpoint_location(self, model_path: str) -> tuple[str, str | None]:
         """Where the checkpoint is, and the tensor file ``tensorizer_uri`` names there (None if none)."""
-        if self.tensorizer_uri is None:
-            return self.checkpoint_dir or model_path, None
-        directory, _, name = self.tensorizer_uri.rstrip("/").rpartition("/")
-        if not name.endswith(TENSORS_SUFFIX):
-            raise ConfigurationError(
-                f"tensorizer_uri must name a {TENSORS_SUFFIX} file (got one ending {name[-40:]!r}); "
-                "give a checkpoint directory as tensorizer_dir"
-            )
-        directory = directory or "."
-        if self.checkpoint_dir is not None and self.checkpoint_dir.rstrip("/") != directory:
-            raise ConfigurationError(
-                "tensorizer_uri and tensorizer_dir (checkpoint_dir) name two directories; give one of them"
-            )
-        return directory, None if "%" in name else name
+        return checkpoint_location(self.tensorizer_uri, self.checkpoint_dir, model_path)
 
 
 class CaptureOptions(BaseModel):
