@@ -1,13 +1,6 @@
-"""What vLLM calls into: the two model loaders, the worker extension used to save, the plugin hook (``vllm_integration``
-says what each is for).
-
-- ``load_format="tensorizer_manifest"``: load a checkpoint this package saved.
-- ``load_format="tensorizer_manifest_capture"``: vLLM's default loader, observed
-  around its post-load step so the engine can later save itself.
-- ``worker_extension_cls=WORKER_EXTENSION``: adds ``save_tensorizer_manifest``
-  (``llm.collective_rpc``), the counterpart of vLLM's ``save_tensorized_model``.
-- ``register()`` is the ``vllm.general_plugins`` entry point; it runs in every
-  vLLM process, workers included.
+"""What vLLM calls into: ``ManifestModelLoader`` and ``CaptureModelLoader`` (the two load formats), their option
+models, ``ManifestWorkerExtension`` (the save of a running engine) and ``register`` (the plugin hook). The
+folder's ``__init__`` says what each is for and re-exports them under the names vLLM is given.
 """
 
 from __future__ import annotations

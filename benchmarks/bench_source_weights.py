@@ -1,0 +1,123 @@
+"""Does the hand-written safetensors reader pay? A save read through it, against vLLM's own (mmap) reader.
+
+    .venv/bin/python benchmarks/bench_source_weights.py               # the large model (1.07 GB), 5 rounds
+
+A capture save (``save_checkpoint``, ``bench_load.py child save``) reads the source model's safetensors
+through vLLM's default loader. ``unmapped``: as shipped, vLLM's lazy iterator replaced by
+``storage/source_weights.iter_safetensors`` (positional reads into fresh memory, one tensor at a time).
+``mapped``: vLLM's own iterator (``safe_open``, which maps the file). Each save is a fresh process; the two
+alternate within a round (one starts the odd rounds, the other the even ones), on a model whose file is in
+the page cache after the first round. Figures per reader, median [min-max]: the whole save's time; peak
+resident memory while vLLM loads (all of it, ``VmRSS``, and the part backed by files, ``RssFile``: mapped
+pages) and over the whole save (``VmHWM``). Figures, never assertions. Writes ``--out`` (JSON) and ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from bench_load import spread  # this folder is on sys.path when a script here runs
+
+ROOT = Path(__file__).resolve().parent.parent
+READERS = ("unmapped", "mapped")
+
+
+def fmt(s: dict, unit: str) -> str:
+    return f"{s['median']:.1f} {unit} [{s['min']:.1f}-{s['max']:.1f}]"
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    return {
+        reader: {
+            "seconds": spread([r["seconds"] for r in rs]),
+            "load_rss_mb": spread([r["rss_by_phase_mb"]["load"]["rss"] for r in rs]),
+            "load_file_mb": spread([r["rss_by_phase_mb"]["load"]["file"] for r in rs]),
+            "load_anon_mb": spread([r["rss_by_phase_mb"]["load"]["anon"] for r in rs]),
+            "peak_rss_mb": spread([r["peak_rss_mb"] for r in rs]),
+        }
+        for reader, rs in runs.items()
+    }
+
+
+def ratios(runs: dict[str, list[dict]], key) -> dict:
+    """mapped / unmapped, round by round (the two ran back to back)."""
+    return spread([key(m) / key(u) for u, m in zip(runs["unmapped"], runs["mapped"], strict=True)])
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    metrics = (("load_rss_mb", "RSS while vLLM loads"), ("load_file_mb", "of it, file-backed"),
+               ("peak_rss_mb", "peak RSS, whole save"))  # fmt: skip
+    width = 0.38
+    for i, reader in enumerate(READERS):
+        rows = [summary[reader][m] for m, _ in metrics]
+        xs = [j + (i - 0.5) * width for j in range(len(metrics))]
+        medians = [r["median"] for r in rows]
+        errors = [[r["median"] - r["min"] for r in rows], [r["max"] - r["median"] for r in rows]]
+        left.bar(xs, medians, width, yerr=errors, capsize=3, label=reader)
+        t = summary[reader]["seconds"]
+        right.bar([i], [t["median"]], 0.6, yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]], capsize=3)
+    left.set_xticks(range(len(metrics)), [label for _, label in metrics])
+    left.set_ylabel("MB")
+    left.legend()
+    right.set_xticks(range(len(READERS)), READERS)
+    right.set_ylabel("seconds (whole save)")
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="large", choices=("small", "medium", "large", "1b"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "source-weights.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "source-weights.png")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_load
+
+    model = bench_load.build_model(args.work, args.size)
+    model_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
+    runs: dict[str, list[dict]] = {reader: [] for reader in READERS}
+    for round_ in range(args.rounds):
+        for reader in READERS if round_ % 2 == 0 else READERS[::-1]:
+            out = args.work / f"source-weights-{reader}"
+            shutil.rmtree(out, ignore_errors=True)
+            result = bench_load.run_child("save", str(model), str(out), env={"BENCH_SOURCE_READER": reader})
+            shutil.rmtree(out, ignore_errors=True)
+            runs[reader].append(result)
+            print(f"round {round_} {reader}: {json.dumps(result)}", flush=True)
+    summary = summarise(runs)
+    paired = {
+        "seconds": ratios(runs, lambda r: r["seconds"]),
+        "load_rss": ratios(runs, lambda r: r["rss_by_phase_mb"]["load"]["rss"]),
+        "peak_rss": ratios(runs, lambda r: r["peak_rss_mb"]),
+    }
+    print(f"\n{args.size}: {model_mb:.0f} MB of safetensors, {args.rounds} rounds")
+    for reader in READERS:
+        s = summary[reader]
+        print(f"  {reader:9s} save {fmt(s['seconds'], 's')}; while vLLM loads: RSS {fmt(s['load_rss_mb'], 'MB')}, "
+              f"file-backed {fmt(s['load_file_mb'], 'MB')}; whole save peak {fmt(s['peak_rss_mb'], 'MB')}")  # fmt: skip
+    for name, r in paired.items():
+        print(f"  mapped / unmapped, paired: {name} {r['median']:.2f} x [{r['min']:.2f}-{r['max']:.2f}]")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    document = {"size": args.size, "model_mb": model_mb, "summary": summary, "paired": paired, "runs": runs}
+    args.out.write_text(json.dumps(document, indent=1) + "\n")
+    plot(summary, args.plot, f"{args.size} model ({model_mb:.0f} MB): save with each safetensors reader")
+    print(f"results: {args.out}, plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
