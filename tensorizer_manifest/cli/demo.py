@@ -40,7 +40,7 @@ def generate_tokens(
     With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it;
     ``loader_config`` is the loader's ``model_loader_extra_config``.
     """
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     options = engine_options(**engine)
     if report is not None:
@@ -53,12 +53,18 @@ def generate_tokens(
     try:
         if report is not None:
             report.update(llm.collective_rpc("tensorizer_manifest_report")[0] or {})
-        outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        prompt_lengths = [len(o.prompt_token_ids) for o in outputs]
+        tokens, prompt_lengths = greedy_tokens(llm, max_tokens)
     finally:
         shutdown(llm)
     return tokens, prompt_lengths, startup
+
+
+def greedy_tokens(llm: Any, max_tokens: int = 16) -> tuple[list[list[int]], list[int]]:
+    """Greedy token ids for the demo prompts from an engine already started, and the prompts' lengths."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], [len(o.prompt_token_ids) for o in outputs]
 
 
 def run_demo(work_dir: Path, kind: str, max_tokens: int, console, progress: bool = False) -> bool:

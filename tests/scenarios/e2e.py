@@ -1,6 +1,7 @@
 """One end-to-end scenario on real vLLM, run in its own process; prints a JSON result on the last line.
 
 Usage: python tests/scenarios/e2e.py KIND WORKDIR [--fallback] [--multiprocessing] [--portable] [--overlap]
+                                                    [--reuse-saved]
 
 Steps: save with a manifest, reference tokens with vLLM's default loader on
 the safetensors model, load back with load_format="tensorizer_manifest" while
@@ -8,6 +9,12 @@ counting every process_weights_after_loading call per layer, compare tokens,
 and compare every processed-layer tensor bitwise with the reference engine.
 Counting and tensor comparison need the engine in this process, so they are
 skipped (reported as None) with --multiprocessing.
+
+The plain run of a kind also leaves its reference beside its checkpoint (``reference-KIND.json``: tokens,
+KV scales, each tensor's stride; ``reference-KIND.safetensors``: the reference engine's tensors after its
+post-load step). ``--reuse-saved`` (with ``--overlap`` or ``--multiprocessing``, which change only how the
+checkpoint is loaded) loads the plain run's checkpoint and compares with that reference: one engine start,
+not three.
 """
 
 from __future__ import annotations
@@ -28,6 +35,38 @@ def kv_scale_floats(model) -> dict[str, list[float]]:
     }
 
 
+def write_reference(stem: str, result: dict, captured: dict) -> None:
+    """The reference engine's tokens, KV scales and tensors, for the runs that reuse this one (``--reuse-saved``)."""
+    from safetensors.torch import save_file
+
+    tensors = captured["ref"]
+    save_file({name: t.contiguous() for name, t in tensors.items()}, stem + ".safetensors")
+    reference = {
+        "reference_tokens": result["reference_tokens"],
+        "prompt_lengths": result["prompt_lengths"],
+        "ref_kv_scales": captured["ref_kv_scales"],
+        "strides": {name: list(t.stride()) for name, t in tensors.items()},
+    }
+    with open(stem + ".json", "w") as f:
+        json.dump(reference, f)
+
+
+def read_reference(stem: str, result: dict) -> dict:
+    """What ``write_reference`` left: the tokens into ``result``; the tensors, as strided as the reference
+    engine's, and the KV scales for ``captured``."""
+    import torch
+    from safetensors.torch import load_file
+
+    with open(stem + ".json") as f:
+        reference = json.load(f)
+    result["reference_tokens"], result["prompt_lengths"] = reference["reference_tokens"], reference["prompt_lengths"]
+    tensors = {}
+    for name, t in load_file(stem + ".safetensors").items():
+        strided = torch.empty_strided(t.shape, reference["strides"][name], dtype=t.dtype)
+        tensors[name] = strided.copy_(t)
+    return {"ref": tensors, "ref_kv_scales": reference["ref_kv_scales"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind")
@@ -36,7 +75,11 @@ def main() -> None:
     parser.add_argument("--multiprocessing", action="store_true")
     parser.add_argument("--portable", action="store_true", help="save with --portable (every layer raw)")
     parser.add_argument("--overlap", action="store_true", help="load with overlap_steps=true (steps while reading)")
+    parser.add_argument("--reuse-saved", action="store_true", help="load the plain run's checkpoint, its reference")
     args = parser.parse_args()
+    if args.reuse_saved and (args.fallback or args.portable or not (args.overlap or args.multiprocessing)):
+        parser.error("--reuse-saved goes with --overlap or --multiprocessing alone (the others change the save)")
+    plain = not (args.fallback or args.multiprocessing or args.portable or args.overlap)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
 
     import torch
@@ -49,14 +92,18 @@ def main() -> None:
         apply_cpu_gemm("fallback")
     model_dir = build_tiny_model(os.path.join(args.workdir, f"tiny-{args.kind}"), args.kind)
     suffix = ("-fallback" if args.fallback else "") + ("-portable" if args.portable else "")
-    suffix += "-overlap" if args.overlap else ""
+    suffix += "-overlap" if args.overlap and not args.reuse_saved else ""
     out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{suffix}")
+    reference_files = os.path.join(args.workdir, f"reference-{args.kind}")
     result: dict = {"kind": args.kind, "checkpoint": out_dir}
 
     # Saved first: the engine that starts first in a process pays vLLM's one-time costs, and the two engines
     # whose load_model is timed below (the default loader's, then ours) should meet the same warm process.
     # No max_model_len: the saving engine's own short default, whatever the model's context (the loads run at 128).
-    save_checkpoint(model_dir, out_dir, dtype="bfloat16", portable=args.portable, engine_args=engine_args(args.kind))
+    if not args.reuse_saved:
+        save_checkpoint(
+            model_dir, out_dir, dtype="bfloat16", portable=args.portable, engine_args=engine_args(args.kind)
+        )
 
     captured: dict[str, dict] = {}
     load_model_seconds: dict[str, float] = {}
@@ -98,11 +145,16 @@ def main() -> None:
             captured["ref_kv_scales"] = kv_scale_floats(model)
 
         base_loader.process_weights_after_loading = keep
-    result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(
-        model_dir, "auto", **engine_args(args.kind)
-    )
+    if args.reuse_saved:
+        captured.update(read_reference(reference_files, result))
+    else:
+        result["reference_tokens"], result["prompt_lengths"], _ = generate_tokens(
+            model_dir, "auto", **engine_args(args.kind)
+        )
     if not args.multiprocessing:
         base_loader.process_weights_after_loading = original
+    if plain:
+        write_reference(reference_files, result, captured)
 
     counts: collections.Counter = collections.Counter()
     loaded: dict[str, torch.Tensor] = {}

@@ -29,7 +29,7 @@ def main() -> None:
     from helpers.worker_tools import TEST_WORKER_EXTENSION
     from vllm import LLM
 
-    from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.cli.demo import engine_options, generate_tokens, greedy_tokens
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
     from tensorizer_manifest.testing.tiny import build_tiny_model
@@ -37,7 +37,11 @@ def main() -> None:
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
     out = os.path.join(workdir, "ckpt-qwen3-tied-tp2")
     engine = {"distributed_executor_backend": "mp", "tensor_parallel_size": 2}
-    reference, _, _ = generate_tokens(model_dir, "auto", **engine)
+    # One default-loader engine for the reference tokens and, after them, the running engine's refused save.
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
+    running = LLM(model=str(model_dir), **engine_options(worker_extension_cls=TEST_WORKER_EXTENSION, **engine))
+    reference, _ = greedy_tokens(running)
     saved = save_checkpoint(
         model_dir,
         out,
@@ -69,9 +73,7 @@ def main() -> None:
         }
 
     before = files()
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
-    llm = LLM(model=str(model_dir), **engine_options(worker_extension_cls=TEST_WORKER_EXTENSION, **engine))
+    llm = running
     try:
         nudge = (1, "layers.0.post_attention_layernorm.weight", 0.5)  # rank 1 only
         result["nudged"] = llm.collective_rpc("tm_test_add_to_weight", args=nudge)
