@@ -10,6 +10,11 @@ alternate within a round (one starts the odd rounds, the other the even ones), o
 the page cache after the first round. Figures per reader, median [min-max]: the whole save's time; peak
 resident memory while vLLM loads (all of it, ``VmRSS``, and the part backed by files, ``RssFile``: mapped
 pages) and over the whole save (``VmHWM``). Figures, never assertions. Writes ``--out`` (JSON) and ``--plot``.
+
+Mapped pages are clean and can be reclaimed, so RSS alone does not say whether a reader needs more memory.
+``--limits 2300,1900`` (root, a writable cgroup v1 memory controller) also runs one save per reader under
+each memory limit, in a memory cgroup of its own, the page cache dropped first (a page cached before is
+charged to whoever read it first): whether it completes, its time, how often it hit the limit.
 """
 
 from __future__ import annotations
@@ -48,6 +53,46 @@ def ratios(runs: dict[str, list[dict]], key) -> dict:
     return spread([key(m) / key(u) for u, m in zip(runs["unmapped"], runs["mapped"], strict=True)])
 
 
+def own_memory_cgroup() -> Path:
+    """This process's cgroup v1 memory controller directory (where a child cgroup can be made)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "memory":
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    raise SystemExit("--limits needs a cgroup v1 memory controller")
+
+
+def save_under_limit(model: Path, out: Path, reader: str, limit_mb: int) -> dict:
+    """One save in a memory cgroup limited to ``limit_mb``, the page cache dropped first."""
+    import os
+    import subprocess
+    import time
+
+    group = own_memory_cgroup() / f"bench-source-weights-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+        (group / "memory.limit_in_bytes").write_text(str(limit_mb << 20))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+               "HF_HUB_OFFLINE": "1", "BENCH_SOURCE_READER": reader}  # fmt: skip
+        script = ROOT / "benchmarks" / "bench_load.py"
+        start = time.perf_counter()
+        proc = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/cgroup.procs; exec "$0" "$@"', sys.executable, str(script),
+             "child", "save", str(model), str(out)],
+            capture_output=True, text=True, env=env, timeout=1800,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+        return {"reader": reader, "limit_mb": limit_mb, "completed": proc.returncode == 0, "seconds": seconds,
+                "hit_limit": int((group / "memory.failcnt").read_text()), "oom_kill": int(oom.get("oom_kill", 0)),
+                "max_usage_mb": int((group / "memory.max_usage_in_bytes").read_text()) >> 20}  # fmt: skip
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        group.rmdir()
+
+
 def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -55,8 +100,8 @@ def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    metrics = (("load_rss_mb", "RSS while vLLM loads"), ("load_file_mb", "of it, file-backed"),
-               ("peak_rss_mb", "peak RSS, whole save"))  # fmt: skip
+    metrics = (("load_rss_mb", "RSS while\nvLLM loads"), ("load_file_mb", "of it,\nfile-backed"),
+               ("peak_rss_mb", "peak RSS,\nwhole save"))  # fmt: skip
     width = 0.38
     for i, reader in enumerate(READERS):
         rows = [summary[reader][m] for m, _ in metrics]
@@ -84,12 +129,23 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "source-weights.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "source-weights.png")
+    parser.add_argument("--limits", default="", help="memory limits in MB, comma-separated (root, cgroup v1)")
+    parser.add_argument("--limits-only", action="store_true", help="only the runs under --limits")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_load
 
     model = bench_load.build_model(args.work, args.size)
     model_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
+    limited = []
+    for limit in [int(x) for x in args.limits.split(",") if x]:
+        for reader in READERS:
+            limited.append(save_under_limit(model, args.work / f"source-weights-{reader}", reader, limit))
+            print(f"under {limit} MB, {reader}: {json.dumps(limited[-1])}", flush=True)
+    if args.limits_only:
+        document = json.loads(args.out.read_text()) if args.out.exists() else {}
+        args.out.write_text(json.dumps({**document, "under_limits": limited}, indent=1) + "\n")
+        return
     runs: dict[str, list[dict]] = {reader: [] for reader in READERS}
     for round_ in range(args.rounds):
         for reader in READERS if round_ % 2 == 0 else READERS[::-1]:
@@ -113,7 +169,8 @@ def main() -> None:
     for name, r in paired.items():
         print(f"  mapped / unmapped, paired: {name} {r['median']:.2f} x [{r['min']:.2f}-{r['max']:.2f}]")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"size": args.size, "model_mb": model_mb, "summary": summary, "paired": paired, "runs": runs}
+    document = {"size": args.size, "model_mb": model_mb, "summary": summary, "paired": paired, "runs": runs,
+                "under_limits": limited}  # fmt: skip
     args.out.write_text(json.dumps(document, indent=1) + "\n")
     plot(summary, args.plot, f"{args.size} model ({model_mb:.0f} MB): save with each safetensors reader")
     print(f"results: {args.out}, plot: {args.plot}")
