@@ -213,12 +213,6 @@ def child(argv: list[str]) -> dict:
             apply_cpu_gemm("fallback")
         from tensorizer_manifest.save import capture
 
-        if os.environ.get("BENCH_SOURCE_READER") == "mapped":  # bench_source_weights.py: vLLM's own mmap reader
-            import contextlib
-
-            from tensorizer_manifest import _vllm_compat
-
-            _vllm_compat.read_safetensors_unmapped = contextlib.nullcontext
         phases = _RssPhases()
         recorder_init = capture.Recorder.__init__
 

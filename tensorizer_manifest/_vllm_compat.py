@@ -30,10 +30,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("quant_config", "runtime_quant_config")),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      ("model", "model_config", "target_device")),
-    ("vllm.model_executor.model_loader.default_loader", "safetensors_weights_iterator", ()),
     ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader._init_ep_weight_filter",
      ("self", "model_config")),
-    ("vllm.model_executor.model_loader.weight_utils", "should_skip_weight", ()),
     ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint", ()),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
      ("self", "layer")),
@@ -204,40 +202,6 @@ def before_every_post_load_step(hook: Callable[[Any], None]) -> None:
 
     hooked._tensorizer_manifest_hook = hook  # type: ignore[attr-defined]
     base_loader.process_weights_after_loading = hooked
-
-
-@contextmanager
-def read_safetensors_unmapped() -> Iterator[None]:
-    """Within the block, vLLM's default loader reads safetensors with ``source_weights.iter_safetensors``.
-
-    vLLM's own iterator maps each file, and the mapped pages count as the
-    process's memory until the file is closed. Only its default ("lazy")
-    strategy is replaced; "eager", "prefetch" and "torchao" stay vLLM's.
-    The default loader calls the iterator through its module's global name.
-    """
-    from vllm.model_executor.model_loader import default_loader, weight_utils
-
-    from .storage.source_weights import iter_safetensors
-
-    original = getattr(default_loader, "safetensors_weights_iterator", None)
-    should_skip = getattr(weight_utils, "should_skip_weight", None)
-    if original is None or should_skip is None:
-        raise _gone("default_loader.safetensors_weights_iterator or weight_utils.should_skip_weight")
-
-    def unmapped(files, use_tqdm_on_load, safetensors_load_strategy=None, local_expert_ids=None, **options):
-        if safetensors_load_strategy not in (None, "lazy"):
-            return original(files, use_tqdm_on_load, safetensors_load_strategy, local_expert_ids, **options)
-        return iter_safetensors(
-            files,
-            skip=lambda name: should_skip(name, local_expert_ids),
-            fallback=lambda file: original([file], False, None, local_expert_ids, **options),
-        )
-
-    default_loader.safetensors_weights_iterator = unmapped
-    try:
-        yield
-    finally:
-        default_loader.safetensors_weights_iterator = original
 
 
 # --- CPU kernels ---------------------------------------------------------------------------------

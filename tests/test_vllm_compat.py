@@ -81,24 +81,6 @@ def test_logged_engine_arguments_hide_credential_options(caplog):
     assert "0th3r" not in caplog.text
 
 
-def test_the_save_reads_safetensors_unmapped_and_puts_vllms_reader_back(tmp_path):
-    import torch
-    from safetensors.torch import save_file
-    from vllm.model_executor.model_loader import default_loader
-
-    path = tmp_path / "model.safetensors"
-    save_file({"b": torch.ones(2), "a": torch.zeros(3)}, str(path))
-    original = default_loader.safetensors_weights_iterator
-    with _vllm_compat.read_safetensors_unmapped():
-        read = default_loader.safetensors_weights_iterator
-        assert read is not original
-        assert [(n, t.tolist()) for n, t in read([str(path)], False)] == [("a", [0.0] * 3), ("b", [1.0] * 2)]
-        # vLLM's other strategies stay vLLM's: "eager" reads the whole file through safetensors.load (whose
-        # dict comes in no fixed order)
-        assert sorted(n for n, _ in read([str(path)], False, "eager")) == ["a", "b"]
-    assert default_loader.safetensors_weights_iterator is original
-
-
 def test_load_numel_is_vllms_count_of_what_weight_loaders_fill():
     import torch
 

@@ -512,7 +512,7 @@ def capture_running_engine(
     try:
         # vLLM's loader runs every step under the model's dtype as torch's default: a step reads it (W8A8-int8's
         # oneDNN handle takes its output dtype from it; outside it, the handle writes float32 into bf16 outputs)
-        with torch.no_grad(), set_default_torch_dtype(model_config.dtype), _vllm_compat.read_safetensors_unmapped():
+        with torch.no_grad(), set_default_torch_dtype(model_config.dtype):
             rebuilder.load(_source_weights(loader, model_config, model))
         return rebuilder.capture(fingerprint)
     except BaseException:

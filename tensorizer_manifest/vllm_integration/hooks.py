@@ -387,7 +387,7 @@ class CaptureModelLoader(DefaultModelLoader):
             captured.append(recorder.finish(fingerprint))
 
         try:
-            with _vllm_compat.observe_post_load(observe), _vllm_compat.read_safetensors_unmapped():
+            with _vllm_compat.observe_post_load(observe):
                 model = super().load_model(vllm_config, model_config, prefix)
         except BaseException:
             for capture in captured:

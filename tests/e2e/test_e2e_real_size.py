@@ -4,9 +4,11 @@
 One scenario process (``scenarios/real_size.py``) builds it once in the session's directory, saves it
 with no flags but its dtype, and loads it back through vLLM; the tests check what it hands back.
 
-**Peak RSS** is the high-water mark of the resident memory (``VmHWM``) of a fresh process that only saves
-(``save_checkpoint``, vLLM's engine in it); not its ``ru_maxrss``, which Linux carries over from the
-parent that started it (here one that had just built the model: 3.3 GB whatever the save did).
+**Peak memory** is the highest anonymous resident memory (``RssAnon`` + ``RssShmem``, sampled every 10 ms) of
+a fresh process that only saves (``save_checkpoint``, vLLM's engine in it): the memory a save needs, which no
+reclaim can take back. The pages of the source safetensors vLLM's loader maps are file-backed and clean: they
+count in RSS (``VmHWM``, kept as a figure) but are reclaimed under a memory limit, where a save completes at
+the same limit whichever way it reads them (``docs/performance.md``, "Reading the source weights").
 **vLLM's baseline** is the same figure for the same save of the tests' tiny Llama, less its 3.4 MB of
 weights: everything a save costs but the weights (the interpreter, torch and vLLM, the saving engine
 with its 64 MiB KV cache, the capture and the write). What grows with the model's shape besides its
@@ -72,20 +74,21 @@ def vllms_second_copies_mib(checkpoint: Path) -> float:
 
 
 def test_saving_peaks_within_1_3_x_the_model_plus_vllms_baseline(real_size):
-    peak = real_size["save"]["peak_rss_mb"]
-    baseline = real_size["baseline_mb"]
+    assert real_size["save"]["peak_anon_mb"] <= real_size["save"]["peak_rss_mb"]  # a sampled part of the whole
+    peak = real_size["save"]["peak_anon_mb"]
+    baseline = real_size["baseline_anon_mb"]
     model = real_size["model_bytes"] / MIB
     second = vllms_second_copies_mib(Path(real_size["checkpoint"]))
     if second:
         pytest.skip(
             f"on this CPU vLLM's oneDNN path keeps a packed second copy of {second:.0f} MiB of weights (the tied "
             f"head) and packs each linear beside its weight, so the save's own share cannot be told from vLLM's "
-            f"here: it peaked at {peak:.0f} MiB, {(peak - baseline - second) / model:.2f} x the model "
-            f"({model:.0f} MiB) + vLLM's baseline ({baseline:.0f} MiB) + that copy; the 1.3 x target is checked "
-            "where vLLM holds one copy of each weight (AVX2), and docs/performance.md has the figures"
+            f"here: its anonymous memory peaked at {peak:.0f} MiB, {(peak - baseline - second) / model:.2f} x "
+            f"the model ({model:.0f} MiB) + vLLM's baseline ({baseline:.0f} MiB) + that copy; the 1.3 x target is "
+            "checked where vLLM holds one copy of each weight (AVX2), and docs/performance.md has the figures"
         )
     limit = 1.3 * model + baseline
     assert peak <= limit, (
-        f"save peaked at {peak:.0f} MiB: {(peak - baseline) / model:.2f} x the model ({model:.0f} MiB) "
-        f"+ vLLM's baseline ({baseline:.0f} MiB), over the limit of 1.3 x ({limit:.0f} MiB)"
+        f"the save's anonymous memory peaked at {peak:.0f} MiB: {(peak - baseline) / model:.2f} x the model "
+        f"({model:.0f} MiB) + vLLM's baseline ({baseline:.0f} MiB), over the limit of 1.3 x ({limit:.0f} MiB)"
     )

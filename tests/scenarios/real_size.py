@@ -7,7 +7,8 @@ Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
 Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
 beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
 ``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 only), each measuring its
-own peak RSS (``VmHWM``; not ``ru_maxrss``, which a child inherits from its parent): once for this model,
+own peak anonymous memory (``helpers.real_size.AnonymousPeak``) and peak RSS (``VmHWM``; not ``ru_maxrss``,
+which a child inherits from its parent): once for this model,
 once for the tests' tiny Llama (3.4 MB of weights: the baseline, everything a save costs but the
 weights); greedy tokens with vLLM's default loader on the safetensors and with
 ``load_format="tensorizer_manifest"`` on the checkpoint, in this process.
@@ -31,17 +32,19 @@ SAVE_MARK = "REAL_SIZE_SAVE "
 
 
 def save_alone(model_dir: str, out_dir: str) -> None:
-    """The save and nothing else; its peak RSS is this process's."""
-    from helpers.real_size import DTYPE, peak_rss_mib
+    """The save and nothing else; its peak memory is this process's."""
+    from helpers.real_size import DTYPE, AnonymousPeak, peak_rss_mib
 
     from tensorizer_manifest.save.from_source import save_checkpoint
 
     start = time.perf_counter()
-    save_checkpoint(model_dir, out_dir, dtype=DTYPE)
+    with AnonymousPeak() as anonymous:
+        save_checkpoint(model_dir, out_dir, dtype=DTYPE)
     seconds = time.perf_counter() - start
     peak_mb = peak_rss_mib()
     ru_maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # includes the parent's peak
-    print(SAVE_MARK + json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "ru_maxrss_mb": ru_maxrss_mb}))
+    figures = {"seconds": seconds, "peak_anon_mb": anonymous.peak_mib, "peak_rss_mb": peak_mb}
+    print(SAVE_MARK + json.dumps({**figures, "ru_maxrss_mb": ru_maxrss_mb}))
 
 
 def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
@@ -120,6 +123,7 @@ def main() -> None:
         "save": save,
         "baseline_save": baseline,
         "baseline_mb": baseline["peak_rss_mb"] - tiny_bytes / 2**20,
+        "baseline_anon_mb": baseline["peak_anon_mb"] - tiny_bytes / 2**20,
         "reference_tokens": reference,
         "manifest_tokens": tokens,
         "prompt_lengths": prompt_lengths,
