@@ -154,25 +154,52 @@ def kind_param(kind: str, *marks):
     return pytest.param(kind, marks=marks, id=kind)
 
 
-def run_script(
-    script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
-) -> dict:
-    """Run a scenario script; its result is the JSON after ``marker``. ``env`` adds variables;
-    with ``output`` the result also holds everything it printed (``_output``), for tests that grep it."""
-    extra = env or {}
+def _scenario_env(extra: dict[str, str]) -> dict[str, str]:
+    """A scenario's environment: this one with ``extra``, offline, and no multiprocessing setting of ours."""
     env = dict(os.environ)
     env.update(extra)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return env
+
+
+#: Set to 1 to start every scenario as a fresh process (``helpers.preloaded`` forks them from one that has
+#: imported torch and vLLM already).
+FRESH_PROCESSES_ENV = "TM_TEST_FRESH_PROCESSES"
+_PRELOADED = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preloaded_scenarios():
+    """This worker's preloaded scenario server (``helpers.preloaded``), started at its first scenario."""
+    global _PRELOADED
+    if os.environ.get(FRESH_PROCESSES_ENV) == "1":
+        yield
+        return
+    from helpers.preloaded import Preloaded
+
+    _PRELOADED = Preloaded(ROOT)
+    try:
+        yield
+    finally:
+        _PRELOADED.close()
+        _PRELOADED = None
+
+
+def run_script(
+    script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
+) -> dict:
+    """Run a scenario script; its result is the JSON after ``marker``. ``env`` adds variables;
+    with ``output`` the result also holds everything it printed (``_output``), for tests that grep it."""
+    env = _scenario_env(env or {})
+    argv = [str(TESTS / script), *args]
+    if _PRELOADED is not None and _PRELOADED.can_run(env):
+        proc = _PRELOADED.run(argv, env, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(marker + " "):
             result = json.loads(line[len(marker) + 1 :])

@@ -1,0 +1,171 @@
+"""Scenario processes that start with torch, transformers and vLLM already imported.
+
+Every end-to-end scenario runs in a process of its own (vLLM keeps process-global state), and each such
+process used to spend 10 of its ~25 seconds importing the same libraries. ``Preloaded`` keeps one process
+per pytest worker that has imported them once and forks a child per scenario: the child is a process of its
+own as before (its own vLLM state, its own exit), it only skips the imports. Measured on the family matrix's
+gpt2 kind: 25 s as a fresh process, 11 s as a forked child (the server's imports take 10 s, once).
+
+A child is only forked when it would have seen what a fresh process sees: the request's environment equals
+the one the libraries were imported under (``TM_*`` variables aside, which only tests read), so a setting
+vLLM reads at import time cannot differ. Anything else runs as a fresh process, as before.
+
+Run as a script, this file is the server: JSON requests on stdin, JSON replies on the pipe it was given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: Imported once by the server, before any fork. Importing them must start no thread and read no setting a
+#: scenario changes before its own imports (vLLM reads its settings and CPU probes when they are used).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "safetensors.torch",
+    "tensorizer",
+    "vllm",
+    "vllm.model_executor.model_loader.base_loader",
+    "tensorizer_manifest.save.from_source",
+    "tensorizer_manifest.cli.demo",
+    "tensorizer_manifest.testing.tiny",
+    "tensorizer_manifest.vllm_integration.hooks",
+)
+
+#: Variables only the tests read (``TM_*``, and pytest's name for the running test): a request may differ
+#: from the server in these and still be forked.
+_TEST_ONLY = ("TM_", "PYTEST_CURRENT_TEST")
+
+
+def _same_environment(a: dict[str, str], b: dict[str, str]) -> bool:
+    def relevant(env):
+        return {k: v for k, v in env.items() if not k.startswith(_TEST_ONLY)}
+
+    return relevant(a) == relevant(b)
+
+
+class Preloaded:
+    """One server per pytest worker, started by the first scenario in that scenario's environment; ``run``
+    answers as ``subprocess.run`` does."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env: dict[str, str] | None = None
+        self._server: subprocess.Popen | None = None
+        self._replies: int | None = None  # the read end of the reply pipe
+        self._pending = b""
+        self.log = Path(tempfile.gettempdir()) / f"preloaded-scenarios-{os.getpid()}.log"
+
+    def _start(self) -> None:
+        read_end, write_end = os.pipe()
+        with open(self.log, "w") as log:
+            self._server = subprocess.Popen(
+                [sys.executable, __file__, str(write_end)],
+                cwd=self.root,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+                pass_fds=(write_end,),
+                text=True,
+            )
+        os.close(write_end)
+        self._replies, self._pending = read_end, b""
+        self._reply(timeout=300)  # {"ready": true}
+
+    def _reply(self, timeout: float) -> dict:
+        """The server's next line (read from the pipe itself: a buffered reader would hide a line from select)."""
+        while b"\n" not in self._pending:
+            if not select.select([self._replies], [], [], timeout)[0]:
+                raise TimeoutError
+            chunk = os.read(self._replies, 65536)
+            if not chunk:
+                raise RuntimeError(f"the preloaded scenario server exited; its log: {self.log}")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return json.loads(line)
+
+    def can_run(self, env: dict[str, str]) -> bool:
+        return self.env is None or _same_environment(env, self.env)
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """``argv[0]`` is the script; its output is returned as text, like ``subprocess.run(capture_output=True)``."""
+        if self._server is None or self._server.poll() is not None:
+            self.env = self.env or dict(env)
+            self._start()
+        with tempfile.TemporaryDirectory(prefix="scenario-") as out:
+            stdout, stderr = Path(out, "stdout"), Path(out, "stderr")
+            request = {"argv": argv, "env": env, "cwd": str(self.root), "stdout": str(stdout), "stderr": str(stderr)}
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            child = self._reply(timeout=60)["pid"]
+            try:
+                returncode = self._reply(timeout=timeout)["returncode"]
+            except TimeoutError:
+                os.kill(child, signal.SIGKILL)
+                self._reply(timeout=60)
+                raise subprocess.TimeoutExpired(argv, timeout, stdout.read_text(), stderr.read_text()) from None
+            return subprocess.CompletedProcess(argv, returncode, stdout.read_text(), stderr.read_text())
+
+    def close(self) -> None:
+        if self._server is not None and self._server.poll() is None:
+            self._server.stdin.close()
+            self._server.wait(timeout=60)
+            os.close(self._replies)
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become the scenario's process (its argv, environment, directory, output), run it
+    as ``__main__`` and exit as it would have."""
+    import runpy
+
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)  # what ``python SCRIPT`` puts first
+    runpy.run_path(script, run_name="__main__")
+    sys.exit(0)  # a normal exit, atexit handlers and buffers included, as the script's own would be
+
+
+def _serve(reply_fd: int) -> None:
+    import importlib
+    import threading
+
+    replies = os.fdopen(reply_fd, "w")
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # a thread in the parent would be a lock held forever in a child
+        raise RuntimeError(f"preloading started threads: {threading.enumerate()}")
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            sys.stdin.close()
+            _child(request)  # never returns: SystemExit ends the child
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
