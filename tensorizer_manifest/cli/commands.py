@@ -658,6 +658,10 @@ def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
     """Build a tiny model, save it with a manifest, inspect it, load it back through vLLM, compare tokens."""
     # Read by vLLM when it is first imported: its INFO logs and configuration dumps would drown the story.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    # Its three engines run one after another in this process, as an offline script's do: vLLM's engine-core
+    # process would import vLLM again for each (on 2 cores, 100 s of demo against 30 s). Set it to 1 to see
+    # the demo through vLLM's multiprocess engine, which the tests also load through.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from ..progress import interactive
     from .demo import run_demo
 
