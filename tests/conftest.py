@@ -137,13 +137,10 @@ needs_amx = pytest.mark.skipif(
     "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer)",
 )
 
-#: Tiny kinds whose layers need vLLM's CPU 4-bit kernel.
-WNA16_KINDS = ("gptq-w4", "awq-w4", "ct-w4a16")
-
 
 def kind_param(kind: str, *marks):
     """A tiny kind as a test parameter, skipped (saying why) where this CPU cannot run it."""
-    from tensorizer_manifest.testing.tiny import AMX_KINDS, FP8_KV_KINDS
+    from tensorizer_manifest.testing.tiny import AMX_KINDS, FP8_KV_KINDS, WNA16_KINDS
 
     if kind in AMX_KINDS:
         marks = (*marks, needs_amx)

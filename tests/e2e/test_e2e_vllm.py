@@ -135,8 +135,10 @@ def test_vllm_own_tensorizer_loader_is_broken(scenarios, mode):
 #: Tiny kinds whose expensive layers a CPU restorer replays, and that restorer.
 PROCESSED_ON_CPU = {
     "gptq-w4": "cpu_wna16",
+    "gptq-w4-actorder": "cpu_wna16",
     "awq-w4": "cpu_wna16",
     "ct-w4a16": "cpu_wna16",
+    "ct-w4a16-channel": "cpu_wna16",
     "qwen3-moe": "cpu_unquantized_moe",
 }
 

@@ -37,11 +37,11 @@ def build(tmp_path: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(out / "model.safetensors"))
 
 
-def nibbles(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """Unpack int32 along ``dim`` into 4-bit values; value j of each 8 is at nibble order[j]."""
+def nibbles(packed: torch.Tensor, dim: int, order=tuple(range(8)), bits: int = 4) -> torch.Tensor:
+    """Unpack int32 along ``dim`` into ``bits``-bit values; value j of each 32 / bits is at position order[j]."""
     x = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    values = (x.unsqueeze(-1) >> torch.arange(0, 32, 4)) & 0xF
-    values = values[..., list(order)]
+    values = (x.unsqueeze(-1) >> torch.arange(0, 32, bits)) & (2**bits - 1)
+    values = values[..., list(order)[: 32 // bits]]
     return values.reshape(*x.shape[:-1], -1).movedim(-1, dim)
 
 
@@ -104,6 +104,40 @@ def test_gptq_w4_is_a_gptq_v1_checkpoint_that_dequantizes_to_the_weights(tmp_pat
         step = scales.float().repeat_interleave(GROUP, 0)
         deq = ((codes - 8).float() * step).t()
         assert_close_to_original(prefix, deq, w, step.t())
+    assert_dense_tensors_kept(state, original)
+
+
+@pytest.mark.parametrize(
+    ("kind", "bits", "group", "act_order"),
+    [("gptq-w4-actorder", 4, -1, True), ("gptq-w4-actorder-grouped", 4, GROUP, True), ("gptq-w8", 8, GROUP, False)],
+)
+def test_gptq_act_order_and_8_bit_checkpoints_dequantize_to_the_weights_through_their_g_idx(
+    tmp_path, kind, bits, group, act_order
+):
+    """Act-order quantizes the input columns in a permuted order: each column's group is read from ``g_idx``
+    (a real permutation with groups, all zeros with one group per channel), never from ``k // group``."""
+    config, state = build(tmp_path, kind)
+    quant = config["quantization_config"]
+    assert (quant["bits"], quant["group_size"], quant["desc_act"], quant["sym"]) == (bits, group, act_order, True)
+    original = tiny.unquantized_state_dict(kind)
+    per_int, zero = 32 // bits, 2 ** (bits - 1)
+    for prefix in linear_prefixes(config):
+        w = original[prefix + "weight"]
+        n, k = w.shape
+        groups = 1 if group == -1 else k // group
+        qweight, scales = state[prefix + "qweight"], state[prefix + "scales"]
+        qzeros, g_idx = state[prefix + "qzeros"], state[prefix + "g_idx"]
+        assert (qweight.dtype, tuple(qweight.shape)) == (torch.int32, (k // per_int, n))
+        assert (scales.dtype, tuple(scales.shape)) == (torch.float16, (groups, n))
+        assert (qzeros.dtype, tuple(qzeros.shape)) == (torch.int32, (groups, n // per_int))
+        assert bool((nibbles(qzeros, 1, bits=bits) == zero - 1).all()), prefix  # v1: zero - 1
+        assert g_idx.dtype == torch.int32 and torch.bincount(g_idx).tolist() == [k // groups] * groups
+        in_order = g_idx.tolist() == [i * groups // k for i in range(k)]
+        assert in_order == (not act_order or groups == 1), prefix  # with act-order and groups: a permutation
+        codes = nibbles(qweight, 0, bits=bits)  # [K, N], packed along K (input)
+        assert codes.max() - codes.min() >= 2**bits - 2, prefix  # the whole range is used
+        step = scales.float()[g_idx.long()]  # [K, N]: each input column's scale, through g_idx
+        assert_close_to_original(prefix, ((codes - zero).float() * step).t(), w, step.t())
     assert_dense_tensors_kept(state, original)
 
 
@@ -174,6 +208,22 @@ def test_ct_w4a16_is_pack_quantized_and_dequantizes_to_the_weights(tmp_path):
         signed = nibbles(packed, 1) - 8  # [N, K], packed along K with a +8 offset
         step = scale.float().repeat_interleave(GROUP, 1)
         assert_close_to_original(prefix, signed.float() * step, w, step)
+    assert_dense_tensors_kept(state, original)
+
+
+def test_ct_w4a16_channel_has_one_scale_per_output_channel(tmp_path):
+    config, state = build(tmp_path, "ct-w4a16-channel")
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["strategy"], weights["group_size"]) == (4, "channel", None)
+    original = tiny.unquantized_state_dict("ct-w4a16-channel")
+    for prefix in linear_prefixes(config):
+        w = original[prefix + "weight"]
+        n, k = w.shape
+        packed, scale = state[prefix + "weight_packed"], state[prefix + "weight_scale"]
+        assert (packed.dtype, tuple(packed.shape)) == (torch.int32, (n, k // 8))
+        assert (scale.dtype, tuple(scale.shape)) == (torch.bfloat16, (n, 1))
+        step = scale.float().expand(n, k)
+        assert_close_to_original(prefix, (nibbles(packed, 1) - 8).float() * step, w, step)
     assert_dense_tensors_kept(state, original)
 
 
