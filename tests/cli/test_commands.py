@@ -144,11 +144,14 @@ def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
 
     src = build_tiny_model(e2e_dir / "tiny-kv-fp8-calibrated", "kv-fp8-calibrated")
     out = tmp_path / "saved"
+    # The options are the subject: vLLM's engine in this process (the save above goes through its multiprocess one).
+    in_process = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run(
         [*CLI, "save", str(src), str(out), "--dtype", "bfloat16", "--max-model-len", "128", "--kv-cache-dtype",
          "fp8", "--engine-arg", "max-num-seqs=1"],
         capture_output=True,
         text=True,
+        env=in_process,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "model.manifest.json").read_text())

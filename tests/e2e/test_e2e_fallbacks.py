@@ -9,6 +9,7 @@ is the other machine itself, where this CPU can run what that machine picks.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,8 +126,9 @@ def test_without_fallbacks_the_other_machine_refuses_before_reading(scenarios, e
     out = Path(e2e_dir) / "qwen3-moe-no-fallbacks"
     model_dir = Path(saved["checkpoint"]).parent / "tiny-qwen3-moe"
     cli = Path(sys.executable).with_name("tensorizer-manifest")
+    in_process = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the flag is the subject, not vLLM's engine
     subprocess.run([str(cli), "save", str(model_dir), str(out), "--dtype", "bfloat16", "--no-fallbacks"],
-                   check=True, capture_output=True, timeout=600)  # fmt: skip
+                   check=True, capture_output=True, timeout=600, env=in_process)  # fmt: skip
     result = run_script("scenarios/other_machine.py", str(out), marker="OTHER_MACHINE_RESULT")
     assert result["error"] == "CompatibilityError", result
     assert "saved processed in the layout" in result["message"] and "--portable" in result["message"]
