@@ -171,6 +171,7 @@ def test_the_tests_mirror_the_folders():
     top_modules = sorted(f"test_{n.rsplit('.', 1)[-1].lstrip('_')}.py" for n in MODULES if n.count(".") == 1)
     assert set(loose) - set(top_modules) <= {
         "test_api.py",
+        "test_harness.py",
         "test_layout.py",
         "test_scripts.py",
         "test_supported_models.py",

@@ -126,8 +126,10 @@ def _child(request: dict) -> None:
     as ``__main__`` and exit as it would have."""
     import runpy
 
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    streams = ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+               (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC))  # fmt: skip
+    for fd, path, flags in streams:  # stdin: not the server's requests
+        handle = os.open(path, flags, 0o600)
         os.dup2(handle, fd)
         os.close(handle)
     os.environ.clear()
@@ -158,7 +160,6 @@ def _serve(reply_fd: int) -> None:
         pid = os.fork()
         if pid == 0:
             replies.close()
-            sys.stdin.close()
             _child(request)  # never returns: SystemExit ends the child
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
