@@ -119,6 +119,7 @@ class Preloaded:
             self._server.stdin.close()
             self._server.wait(timeout=60)
             os.close(self._replies)
+            self.log.unlink(missing_ok=True)  # kept only where the server died: its imports' error is there
 
 
 def _child(request: dict) -> None:
