@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
-                      "stdin": sys.stdin.read(), "tm": os.environ.get("TM_HARNESS"), }))
+                      "stdin": sys.stdin.read(), "tm": os.environ.get("TM_HARNESS")}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[1]))
     """

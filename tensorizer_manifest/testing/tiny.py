@@ -306,7 +306,7 @@ def quantize_int(
     Returns ``(codes, scales, zeros)``: codes in 0..2^bits-1 of shape ``[N, K]`` (int32),
     scales ``[N, K / group_size]`` in ``scale_dtype`` and integer zero points of the
     same shape, with ``weight ~= (codes - zero) * scale``. Symmetric uses zero 2^(bits-1) and
-    scale amax / (2^bits - 1) * 2 (7.5 for 4 bits), as GPTQ (uint4b8, uint8b128) and compressed-tensors do;
+    scale amax / ((2^bits - 1) / 2) (amax / 7.5 for 4 bits), as GPTQ (uint4b8, uint8b128) and compressed-tensors do;
     asymmetric maps [min, max] onto the codes as AutoAWQ does. Codes are computed against the scale
     stored in the checkpoint (``scale_dtype``), so every weight is within half a
     step of its dequantized value.
