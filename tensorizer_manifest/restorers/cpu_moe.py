@@ -1,4 +1,4 @@
-"""CPU unquantized mixture-of-experts layers: the fused-MoE kernel over prepacked experts.
+"""CPU mixture-of-experts layers, unquantized and block FP8: the fused-MoE kernel over prepacked experts.
 
 vLLM's step for ``UnquantizedFusedMoEMethod`` on CPU pads the intermediate
 dimension and prepacks every expert's weights for the grouped GEMM of its
@@ -7,6 +7,14 @@ experts class (``CPUUnquantizedExperts``, ISA "vec"; ``X86CPUUnquantizedExperts`
 processed; replay is vLLM's own pre-processed branch (``_init_moe_kernel``),
 which builds the kernel without packing again. The experts class (chosen by
 the machine) and the zentorch switch are the layer's recorded ``form``.
+
+Block-scaled FP8 experts (``Fp8MoEMethod`` with the "CPU" backend, AMX only:
+``CPUExpertsFp8``, W8A16) are the same story: the step VNNI-prepacks
+``w13_weight``/``w2_weight`` (``convert_weight_packed``), re-registers the block
+scales unchanged and builds the kernel; vLLM's pre-processed branch of
+``Fp8MoEMethod`` is ``_init_moe_kernel`` alone. ``CPUExpertsFp8`` has no step
+of its own. The native AMX-FP8 backend ("CPU_W8A8", which packs the scales too)
+is not covered: never run here, its layers save raw.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from .base import Restorer, register, state_beyond
 
 _METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
 _EXPERTS_BASE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+_FP8_METHOD = "vllm.model_executor.layers.quantization.fp8.Fp8MoEMethod"
+_FP8_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsFp8"
 _KERNEL_STATE = {
     ("quant_method", "moe_kernel"),
     ("quant_method", "moe_quant_config"),
@@ -80,3 +90,42 @@ class CpuUnquantizedMoeRestorer(Restorer):
 
 
 register(CpuUnquantizedMoeRestorer())
+
+
+class CpuFp8MoeRestorer(Restorer):
+    name = "cpu_fp8_moe"
+    handles = (_FP8_EXPERTS,)  # the method row stays cuda_fused_moe's: the experts are what is CPU-specific
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the fused-MoE kernel (vLLM's _init_moe_kernel) over the saved AMX-packed FP8 experts"
+
+    def applies_to(self, module):
+        from vllm.platforms import current_platform
+
+        quant_method = getattr(module, "quant_method", None)
+        backend = getattr(getattr(quant_method, "fp8_backend", None), "name", None)
+        return (
+            current_platform.is_cpu()
+            and qualified_class(quant_method) == _FP8_METHOD
+            and backend == "CPU"
+            and qualified_class(getattr(quant_method, "experts_cls", None)) == _FP8_EXPERTS
+        )
+
+    def form(self, module):
+        return {"experts_class": _FP8_EXPERTS, "backend": "CPU"}
+
+    def covers(self, module, diff):
+        why_not = state_beyond(diff, _KERNEL_STATE)
+        if why_not is not None:
+            return why_not
+        if diff.added_tensors or diff.removed_tensors:
+            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
+        experts = getattr(module.quant_method.moe_kernel, "fused_experts", None)
+        if qualified_class(experts) != _FP8_EXPERTS:
+            return f"the step built {type(experts).__name__} experts, not CPUExpertsFp8"
+        return None
+
+    def replay(self, module, model_config):
+        _vllm_compat.init_moe_kernel(module.quant_method, module)
+
+
+register(CpuFp8MoeRestorer())

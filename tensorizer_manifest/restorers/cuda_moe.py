@@ -16,7 +16,7 @@ their conversion pads the intermediate size and writes it into the shared
 ``moe_config`` in place, which a diff of attributes cannot see, so a restorer
 could not prove it rebuilt it.
 Marlin, Humming, AITER, MoonEP and CPU backends are not handled here (the CPU
-one is ``cpu_unquantized_moe``). The method, backend, experts class and device
+ones are ``cpu_unquantized_moe`` and ``cpu_fp8_moe``). The method, backend, experts class and device
 capability are the layer's ``form``. ``verified_on`` is empty.
 """
 

