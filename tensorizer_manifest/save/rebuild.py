@@ -88,6 +88,14 @@ class _Released:
     where: str
 
 
+def _changed_after_loading(what: str, differs: str = "differs from what") -> NotReproducibleError:
+    return NotReproducibleError(
+        f"{what} {differs} the engine's source weights give through vLLM's load and post-load step: its weights "
+        "changed after loading (a LoRA merged, an update) or its source is another revision; save it with "
+        "`tensorizer-manifest save SRC OUT` from the weights it serves, not from this engine"
+    )
+
+
 def remember_pre_step_attributes(model: torch.nn.Module) -> None:
     """Fork every module's plain attributes as they are before vLLM's step (a few small objects per layer).
     Installed in every vLLM process by the plugin (``vllm_integration.register``)."""
@@ -201,13 +209,18 @@ class Rebuilder:
         self.skip, self.skip_load = _vllm_compat.skip_tensors()
         self._forked: dict[int, Any] = {}  # fork_state's memo: objects layers share stay shared in the shadow
         owned = owned_quant_methods(model)
+        # every module's copy first: state forked below that refers to another module of the model (MLA's
+        # attention impl holds its kv_b_proj) then refers to that module's copy, never to the live one
+        self._forked.update({id(module): copy.copy(module) for module in model.modules()})
         self.shadow = self._copy(model, "", owned)
 
     # -- the shadow ----------------------------------------------------------------------------------------------
 
     def _copy(self, live: torch.nn.Module, path: str, owned: set[int], memo: dict | None = None) -> torch.nn.Module:
         memo = {} if memo is None else memo
-        shadow = copy.copy(live)
+        if id(live) in memo:  # a module under two paths (MLA's kv_b_proj, in its layer and its attention): one copy
+            return memo[id(live)]
+        shadow = memo[id(live)] = self._forked[id(live)]
         before = _PRE_STEP_ATTRIBUTES.get(live)
         if before is None and has_post_load(live):
             raise NotReproducibleError(
@@ -356,12 +369,7 @@ class Rebuilder:
         for name, slot in live.tensors.items():
             rebuilt = after.tensors.get(name)
             if rebuilt is None or not same_bytes(rebuilt.tensor, slot.tensor):
-                raise NotReproducibleError(
-                    f"{layer.path}.{name} differs from what the engine's source weights give through vLLM's load "
-                    "and post-load step: its weights changed after loading (a LoRA merged, an update) or its "
-                    "source is another revision; save it with `tensorizer-manifest save SRC OUT` from the "
-                    "weights it serves, not from this engine"
-                )
+                raise _changed_after_loading(f"{layer.path}.{name}")
         self._compare_kernels(layer, live)
         captured.module = layer.live
         if captured.state == "processed":
@@ -381,6 +389,9 @@ class Rebuilder:
         whose step hides a weight cannot be compared, and is refused."""
         from vllm.model_executor.layers.linear import LinearBase
 
+        self._compare_impl_tensors(layer)
+        if isinstance(layer.live, LinearBase) and self._emptied_by_attention(layer, live):
+            return  # never run: the attention layer serves its packed copies, compared with that layer's impl
         if not isinstance(layer.live, LinearBase):
             hidden = sorted(
                 name
@@ -408,12 +419,27 @@ class Rebuilder:
                 "SRC OUT` instead"
             ) from exc
         if not same_bytes(*answers):
-            raise NotReproducibleError(
-                f"{layer.path}'s kernel answers differently from the one the engine's source weights give through "
-                "vLLM's load and post-load step: its weights changed after loading (a LoRA merged, an update) or "
-                "its source is another revision; save it with `tensorizer-manifest save SRC OUT` from the weights "
-                "it serves, not from this engine"
-            )
+            raise _changed_after_loading(f"{layer.path}'s kernel", "answers differently from the one")
+
+    def _emptied_by_attention(self, layer: _Layer, live: ModuleSnapshot) -> bool:
+        """A linear layer inside an attention layer whose step emptied its weight (MLA on AMX releases
+        ``kv_b_proj.weight`` after packing its own copies on the impl): in the engine too, so it is never run."""
+        weight = live.tensors.get("weight")
+        return id(layer.shadow) in self._read_by_attention and weight is not None and weight.tensor.numel() == 0
+
+    @staticmethod
+    def _compare_impl_tensors(layer: _Layer) -> None:
+        """The tensors an attention step keeps on the layer's impl (MLA on AMX: ``_w_uk_packed``, ``_w_uv_packed``,
+        derived from ``kv_b_proj``) are what the engine computes with: the rebuilt ones must be the same bytes."""
+        live_impl, rebuilt_impl = getattr(layer.live, "impl", None), getattr(layer.shadow, "impl", None)
+        if live_impl is None or rebuilt_impl is None:
+            return
+        for name, value in vars(live_impl).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            rebuilt = vars(rebuilt_impl).get(name)
+            if not isinstance(rebuilt, torch.Tensor) or not same_bytes(rebuilt, value):
+                raise _changed_after_loading(f"{layer.path}: the attention kernel's {name}")
 
     # -- the whole model ---------------------------------------------------------------------------------------
 
