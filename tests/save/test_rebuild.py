@@ -107,3 +107,30 @@ def test_a_source_shard_gone_after_the_first_weight_is_a_typed_error():
     assert next(weights)[0] == "model.embed_tokens.weight"
     with pytest.raises(CheckpointNotFoundError, match=r"cannot be read \(model-00002-of-00002"):
         next(weights)
+
+
+def test_the_tensors_an_attention_impl_keeps_must_be_the_rebuilt_bytes():
+    """MLA on AMX computes with ``_w_uk_packed``/``_w_uv_packed`` on its impl, not with kv_b_proj's (released)
+    weight: a difference there is a changed engine, refused; equal bytes, or no impl, pass."""
+
+    class Impl:
+        pass
+
+    def attention(packed: torch.Tensor) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.impl = Impl()
+        module.impl._w_uk_packed, module.impl.scale = packed, 1.0
+        return module
+
+    live = attention(torch.arange(8, dtype=torch.bfloat16))
+    same = rebuild._Layer("model.layers.0.self_attn.attn", live, attention(torch.arange(8, dtype=torch.bfloat16)))
+    rebuild.Rebuilder._compare_impl_tensors(same)
+    rebuild.Rebuilder._compare_impl_tensors(rebuild._Layer("x", torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    changed = attention(torch.arange(8, dtype=torch.bfloat16))
+    changed.impl._w_uk_packed[3] = 100
+    with pytest.raises(NotReproducibleError, match=r"self_attn\.attn: the attention kernel's _w_uk_packed differs"):
+        rebuild.Rebuilder._compare_impl_tensors(rebuild._Layer("model.layers.0.self_attn.attn", live, changed))
+    missing = attention(torch.arange(8, dtype=torch.bfloat16))
+    del missing.impl._w_uk_packed
+    with pytest.raises(NotReproducibleError, match="_w_uk_packed"):
+        rebuild.Rebuilder._compare_impl_tensors(rebuild._Layer("a", live, missing))
