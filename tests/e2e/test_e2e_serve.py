@@ -84,33 +84,40 @@ class Server:
         self._out.close()
 
 
-def test_openai_server_serves_the_checkpoint_token_exact(scenarios, tmp_path):
-    result = scenarios.e2e("qwen3-tied")
-    checkpoint = result["checkpoint"]
-    with Server(checkpoint, tmp_path / "server.log", "--load-format", "tensorizer_manifest") as server:
-        assert server.tokens(DEMO_PROMPTS[0]) == result["reference_tokens"][0]
-    # The load line reaches a `vllm serve` user through vLLM's own logging, like its "Loading weights took".
-    logged = (tmp_path / "server.log").read_text()
-    line = next((x for x in logged.splitlines() if "Loading weights with tensorizer_manifest took" in x), "")
-    assert " INFO " in line and "content hashes checked" in line and "processed layer(s) restored" in line, logged[
-        -3000:
-    ]
-
-
-def test_a_served_model_saves_itself_through_vllms_dev_rpc_endpoint(e2e_dir, tmp_path):
-    """`vllm serve` with vLLM's default loader, the worker extension and VLLM_SERVER_DEV_MODE=1: one POST to
-    /collective_rpc saves it (issue #19, item 2); a server started on what it wrote answers the same tokens."""
+@pytest.fixture(scope="module")
+def served(e2e_dir, tmp_path_factory) -> dict:
+    """`vllm serve` with vLLM's default loader, the worker extension and VLLM_SERVER_DEV_MODE=1 answers the demo
+    prompts (the reference) and saves itself with one POST to /collective_rpc; then `vllm serve` on what it
+    wrote, with --load-format tensorizer_manifest, answers them again. Two server starts for both tests."""
     from tensorizer_manifest import WORKER_EXTENSION
     from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model = str(build_tiny_model(e2e_dir / "tiny-llama", "llama"))
-    out = tmp_path / "saved-by-the-server"
+    logs = tmp_path_factory.mktemp("serve")
+    out = logs / "saved-by-the-server"
     flags = ("--worker-extension-cls", WORKER_EXTENSION)
-    with Server(model, tmp_path / "default.log", *flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+    with Server(model, logs / "default.log", *flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
         reference = [server.tokens(prompt) for prompt in DEMO_PROMPTS]
         saved = server.post("/collective_rpc", {"method": "save_tensorizer_manifest", "args": [str(out)]})
-    [rank] = saved["results"]
-    assert rank["manifest"] == str(out / "model.manifest.json") and rank["layers"] > 0, saved
-    assert (out / "config.json").is_file()  # the model's own files came along: `model` can be the checkpoint
-    with Server(str(out), tmp_path / "manifest.log", "--load-format", "tensorizer_manifest") as server:
-        assert [server.tokens(prompt) for prompt in DEMO_PROMPTS] == reference
+    with Server(str(out), logs / "manifest.log", "--load-format", "tensorizer_manifest") as server:
+        tokens = [server.tokens(prompt) for prompt in DEMO_PROMPTS]
+    return {"reference": reference, "saved": saved, "out": out, "tokens": tokens,
+            "log": (logs / "manifest.log").read_text()}  # fmt: skip
+
+
+def test_openai_server_serves_the_checkpoint_token_exact(served):
+    assert served["tokens"] == served["reference"]
+    # The load line reaches a `vllm serve` user through vLLM's own logging, like its "Loading weights took".
+    line = next((x for x in served["log"].splitlines() if "Loading weights with tensorizer_manifest took" in x), "")
+    assert " INFO " in line and "content hashes checked" in line and "processed layer(s) restored" in line, served[
+        "log"
+    ][-3000:]
+
+
+def test_a_served_model_saves_itself_through_vllms_dev_rpc_endpoint(served):
+    """One POST to /collective_rpc saves the served model (issue #19, item 2), with the model's own files: the
+    checkpoint directory is a model `vllm serve` starts on (the other test: token-exact)."""
+    out = served["out"]
+    [rank] = served["saved"]["results"]
+    assert rank["manifest"] == str(out / "model.manifest.json") and rank["layers"] > 0, served["saved"]
+    assert (out / "config.json").is_file()
