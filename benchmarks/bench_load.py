@@ -422,12 +422,13 @@ def summarise(size: str, runs: list[dict]) -> dict:
         errors = [r["error"] for r in rs if "error" in r]
         if errors:
             row["error"] = errors[0]
-        if path.startswith("manifest"):
-            laps = [r["report"]["seconds"] for r in rs]
+        reported = [r for r in rs if "report" in r]  # a failed load has no report: its error is the row's
+        if path.startswith("manifest") and reported:
+            laps = [r["report"]["seconds"] for r in reported]
             for lap in laps[0]:
                 row[lap] = spread([lap_set[lap] for lap_set in laps])
-            row["steps_while_reading"] = spread([r["report"]["step_seconds"]["while_reading"] for r in rs])
-            row["steps_total"] = spread([r["report"]["step_seconds"]["total"] for r in rs])
+            row["steps_while_reading"] = spread([r["report"]["step_seconds"]["while_reading"] for r in reported])
+            row["steps_total"] = spread([r["report"]["step_seconds"]["total"] for r in reported])
         elif path.startswith("default"):
             for key in ("default:read_weights", "default:post_load", "gc.collect"):
                 row[key] = spread([r["seconds"].get(key, 0.0) for r in rs])

@@ -44,7 +44,13 @@ REPLAY_NONE = "none"
 """The post-load step changed nothing on this layer."""
 
 #: Modules whose Parameter classes a manifest may name: the loader never builds anything else.
-ALLOWED_PARAM_MODULES = ("torch.nn.parameter", "vllm.model_executor.parameter")
+#: Where a recorded Parameter class may come from: torch, vLLM's parameters, and vLLM's KV-cache scales
+#: (``KVCacheScaleParameter``: the raw q/k/v/prob scales of an FP8 model's attention layers).
+ALLOWED_PARAM_MODULES = (
+    "torch.nn.parameter",
+    "vllm.model_executor.parameter",
+    "vllm.model_executor.layers.quantization.kv_cache",
+)
 
 DType = Literal[
     "float64", "float32", "float16", "bfloat16",

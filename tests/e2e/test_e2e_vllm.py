@@ -142,6 +142,7 @@ PROCESSED_ON_CPU = {
     "qwen3-moe": "cpu_unquantized_moe",
     "fp8-block": "cpu_fp8_linear",
     "qwen3-moe-fp8": "cpu_fp8_moe",
+    "qwen3-moe-w8a8": "cpu_int8_moe",
 }
 
 
@@ -159,6 +160,17 @@ def test_quantized_and_moe_layers_save_processed_and_skip_the_step(scenarios, ki
         assert layers[path]["state"] == "processed" and layers[path]["replay"] == PROCESSED_ON_CPU[kind], path
         assert layers[path]["form"], f"{path}: a machine-dependent layout must be recorded"
     assert not any(key.split(":", 1)[1] in expensive for key in result["post_load_counts"])
+    assert result["manifest_tokens"] == result["reference_tokens"]
+
+
+@pytest.mark.parametrize("kind", [kind_param("fp8-block"), kind_param("kv-fp8-calibrated")])
+def test_a_portable_checkpoint_with_kv_cache_scales_loads_token_exact(scenarios, kind):
+    """Every layer raw, attention too: its KVCacheScaleParameter scales (an FP8 model's, calibrated ones) come
+    back as vLLM's own class and vLLM's step runs on them once, as in the default loader."""
+    result = scenarios.e2e(kind, "--portable")
+    attention = {p: x for p, x in result["layers"].items() if p.endswith(".attn")}
+    assert attention and all(x["state"] == "raw" for x in attention.values())
+    assert all(result["post_load_counts"].get(f"quant_method:{p}") == 1 for p in attention), result["post_load_counts"]
     assert result["manifest_tokens"] == result["reference_tokens"]
 
 

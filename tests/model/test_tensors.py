@@ -113,6 +113,17 @@ def test_a_vllm_parameter_class_is_allowed():
         param_class_from_name("vllm.model_executor.parameter.NoSuchParameter")
 
 
+def test_a_raw_kv_cache_scale_comes_back_as_vllms_own_class():
+    """An FP8 model's raw attention layer holds KVCacheScaleParameter scales (a --portable save): the loader
+    rebuilds them as that class, around the saved bytes, without calling its constructor."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
+
+    record = make_record("k_scale", KVCacheScaleParameter(), kind="parameter", persistent=True, key="k")
+    param = make_parameter(record, torch.tensor(0.25))
+    assert type(param) is KVCacheScaleParameter and param.item() == 0.25
+
+
 def test_records_survive_encoding(tmp_path):
     from helpers.synthetic import write_synthetic_checkpoint
 
