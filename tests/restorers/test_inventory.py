@@ -50,11 +50,14 @@ def test_the_cpu_classes_our_restorers_replay_are_verified_on_cpu(inventory):
 
 def test_other_strategies_are_read_from_vllm_code(inventory):
     # MXFP4 MoE has vLLM's own pre-processed branch (and no restorer of ours: its kernels hold opaque objects);
-    # the CPU int8 method has a step and no restorer.
+    # the CPU int8 linear layers have a step and no restorer (oneDNN keeps their weight); int8 MoE has ours.
     assert _entry(inventory, "quantization.mxfp4.Mxfp4MoEMethod").strategy == STRATEGY_VLLM_BRANCH
     int8 = [e for e in inventory.entries if "W8A8Int8" in e.vllm_class or "Int8ScaledMM" in e.vllm_class]
     int8 = [e for e in int8 if e.strategy != STRATEGY_NONE]  # the abstract Int8ScaledMMLinearKernel has none
-    assert int8 and all(e.strategy == STRATEGY_RAW and e.status == "-" for e in int8), int8
+    moe = [e for e in int8 if e.vllm_class.endswith("CompressedTensorsW8A8Int8MoEMethod")]
+    assert [(e.strategy, e.restorer) for e in moe] == [(STRATEGY_RESTORER, "cpu_int8_moe")], moe
+    linear = [e for e in int8 if e not in moe]
+    assert linear and all(e.strategy == STRATEGY_RAW and e.status == "-" for e in linear), linear
     assert any(e.strategy == STRATEGY_NONE for e in inventory.entries)
     families = {e.family for e in inventory.entries}
     assert {"quant method", "moe experts", "attention", "kv cache", "mixed-precision linear kernel"} <= families

@@ -287,10 +287,40 @@ def test_cpu_fp8_moe_covers_the_amx_backend_and_its_experts_alone():
     assert restorer.covers(layer, step) is None
     assert "state no restorer rebuilds" in restorer.covers(layer, LayerDiff(changed_attrs={("layer", "x"): 1}))
     assert "added or removed" in restorer.covers(layer, LayerDiff(added_tensors={"w13_scale_packed"}))
+    assert restorer.covers(layer, LayerDiff(changed_tensors={"w13_weight", "w13_weight_scale_inv"})) is None
+    assert "changed tensors ['w13_bias']" in restorer.covers(layer, LayerDiff(changed_tensors={"w13_bias"}))
     layer.quant_method.moe_kernel.fused_experts = object()
     assert "not CPUExpertsFp8" in restorer.covers(layer, step)
     assert not restorer.applies_to(_moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.CPU_W8A8, CPUExpertsFp8W8A8))
     assert not restorer.applies_to(_moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.TRITON, CPUExpertsFp8))
+
+
+def test_cpu_int8_moe_covers_the_amx_experts_and_builds_the_kernel_without_their_step(monkeypatch):
+    """The bookkeeping; ``test_e2e_families`` (kind qwen3-moe-w8a8, AMX) proves the experts token-exact and bitwise."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt8, ZenCPUExpertsInt8
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as int8,
+    )
+
+    from tensorizer_manifest import _vllm_compat
+
+    restorer = RESTORERS["cpu_int8_moe"]
+    method = int8.CompressedTensorsW8A8Int8MoEMethod
+    layer = _moe_layer(method, "int8_backend", Int8MoeBackend.CPU, CPUExpertsInt8)
+    assert restorer.applies_to(layer) and restorer.form(layer) == {"experts_class": qualified_class(CPUExpertsInt8)}
+    assert not restorer.applies_to(_moe_layer(method, "int8_backend", Int8MoeBackend.CPU, ZenCPUExpertsInt8))
+    layer.quant_method.moe_kernel = type("Kernel", (), {"fused_experts": _bare(CPUExpertsInt8)})()
+    step = LayerDiff(
+        changed_tensors={"w13_weight", "w2_weight"},
+        changed_attrs={("quant_method", "moe_kernel"): object(), ("quant_method", "moe_quant_config"): object()},
+    )
+    assert restorer.covers(layer, step) is None
+    assert "w13_weight_scale" in restorer.covers(layer, LayerDiff(changed_tensors={"w13_weight_scale"}))
+    calls = []
+    monkeypatch.setattr(_vllm_compat, "build_int8_moe_kernel", lambda qm, module: calls.append((qm, module)))
+    restorer.replay(layer, None)
+    assert calls == [(layer.quant_method, layer)]
 
 
 def _moe_layer(method_cls, backend_attr, backend, experts_cls):

@@ -391,6 +391,27 @@ def test_qwen3_moe_fp8_quantizes_every_expert_and_projection_in_blocks_and_leave
         assert plain[f"model.layers.{i}.mlp.gate.weight"].dtype == torch.bfloat16
 
 
+def test_qwen3_moe_w8a8_quantizes_every_expert_per_channel_and_leaves_the_gates(tmp_path):
+    """compressed-tensors int8: per-expert int8 weights with one float32 scale per output channel; the router
+    gates are in the config's ignore list and stay bf16."""
+    config, state = build(tmp_path, "qwen3-moe-w8a8")
+    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["quantization_config"]["ignore"] == [
+        "lm_head",
+        *(f"model.layers.{i}.mlp.gate" for i in range(layers)),
+    ]
+    quantized = {name for name, t in state.items() if t.dtype == torch.int8}
+    assert len({n for n in quantized if ".mlp.experts." in n}) == 3 * experts * layers
+    original = tiny.unquantized_state_dict("qwen3-moe-w8a8")
+    for name in quantized:
+        scale = state[name[: -len("weight")] + "weight_scale"]
+        assert scale.shape == (state[name].shape[0], 1) and scale.dtype == torch.float32, name
+    for i in range(layers):
+        assert state[f"model.layers.{i}.mlp.gate.weight"].dtype == torch.bfloat16
+    assert len(state) == len(original) - 2 * layers + 3 * experts * layers + len(quantized)
+
+
 def test_fp8_tensor_kind_has_one_scale_per_tensor(tmp_path):
     """Per-tensor FP8 (vLLM 0.32's CPU build cannot load it: a refused kind): a scalar weight_scale per linear."""
     config, state = build(tmp_path, "fp8-tensor")
