@@ -123,6 +123,15 @@ def state_beyond(diff: LayerDiff, rebuilt: Iterable[tuple[str, str]]) -> str | N
     return f"the step created state no restorer rebuilds: {sorted(extra)}" if extra else None
 
 
+def only_state_and_tensors_in_place(diff: LayerDiff, rebuilt: Iterable[tuple[str, str]]) -> str | None:
+    """``state_beyond``, and the step neither added nor removed a tensor (the MoE kernels' steps change their
+    tensors in place and build a kernel): None when so, else why not."""
+    why_not = state_beyond(diff, rebuilt)
+    if why_not is None and (diff.added_tensors or diff.removed_tensors):
+        why_not = f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
+    return why_not
+
+
 def find_restorer(module: torch.nn.Module, diff: LayerDiff) -> tuple[Restorer | None, str]:
     """The restorer that covers ``diff`` on ``module``, or None and why none does."""
     reasons = []

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from .. import _vllm_compat
 from ..format.schema import qualified_class
-from .base import Restorer, register, state_beyond
+from .base import Restorer, only_state_and_tensors_in_place, register
 
 _METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
 _EXPERTS_BASE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
@@ -85,11 +85,9 @@ class CpuUnquantizedMoeRestorer(Restorer):
         }
 
     def covers(self, module, diff):
-        why_not = state_beyond(diff, _KERNEL_STATE)
+        why_not = only_state_and_tensors_in_place(diff, _KERNEL_STATE)
         if why_not is not None:
             return why_not
-        if diff.added_tensors or diff.removed_tensors:
-            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
         if self.form(module)["zentorch"]:
             return "zentorch runs this layer's experts from unpacked weights: nothing processed to save"
         experts = getattr(module.quant_method.moe_kernel, "fused_experts", None)
@@ -130,11 +128,9 @@ class _PackedExpertsRestorer(Restorer):
         return {"experts_class": self.experts}
 
     def covers(self, module, diff):
-        why_not = state_beyond(diff, _KERNEL_STATE)
+        why_not = only_state_and_tensors_in_place(diff, _KERNEL_STATE)
         if why_not is not None:
             return why_not
-        if diff.added_tensors or diff.removed_tensors:
-            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
         if diff.changed_tensors - self.changes:
             return (
                 f"the step changed tensors {sorted(diff.changed_tensors - self.changes)}, not only the packed experts"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..format.schema import qualified_class
-from .base import Restorer, device_capability, register, state_beyond
+from .base import Restorer, device_capability, only_state_and_tensors_in_place, register
 
 _UNQUANTIZED = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
 _FP8 = "vllm.model_executor.layers.quantization.fp8.Fp8MoEMethod"
@@ -80,11 +80,9 @@ class CudaMoeRestorer(Restorer):
         }
 
     def covers(self, module, diff):
-        why_not = state_beyond(diff, _KERNEL_STATE)
+        why_not = only_state_and_tensors_in_place(diff, _KERNEL_STATE)
         if why_not is not None:
             return why_not
-        if diff.added_tensors or diff.removed_tensors:
-            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
         if not _experts_step_is_a_no_op(module.quant_method.experts_cls):
             return (
                 f"{qualified_class(module.quant_method.experts_cls)} has a post-load step of its own, "
