@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from .. import _vllm_compat
 from ..format.schema import qualified_class
-from .base import Restorer, layer_kernel, register, state_beyond
+from .base import Restorer, layer_kernel, only_state_and_tensors_in_place, register
 
 _METHOD = "vllm.model_executor.layers.quantization.fp8.Fp8LinearMethod"
 _KERNEL = "vllm.model_executor.kernels.linear.scaled_mm.cpu.CPUFp8BlockScaledMMKernel"
-_SCALES = {"weight_scale_inv", "weight_scale"}
+#: What the step may change: the packed weight and the re-wrapped (or upcast) scale.
+_CHANGES = {"weight", "weight_scale_inv", "weight_scale"}
 
 
 def _kernel(module):
@@ -52,15 +53,13 @@ class CpuFp8LinearRestorer(Restorer):
         }
 
     def covers(self, module, diff):
-        why_not = state_beyond(diff, {("layer", "input_scale")})
+        why_not = only_state_and_tensors_in_place(diff, {("layer", "input_scale")})
         if why_not is not None:
             return why_not
         if diff.changed_attrs.get(("layer", "input_scale")) is not None:
             return "the step set input_scale to a value (static activations), which this restorer does not rebuild"
-        if diff.added_tensors or diff.removed_tensors:
-            return f"the step added or removed tensors {sorted(diff.added_tensors | diff.removed_tensors)}"
-        if diff.changed_tensors - {"weight", *_SCALES}:
-            return f"the step changed tensors {sorted(diff.changed_tensors - {'weight', *_SCALES})}"
+        if diff.changed_tensors - _CHANGES:
+            return f"the step changed tensors {sorted(diff.changed_tensors - _CHANGES)}"
         return None
 
     def replay(self, module, model_config):
