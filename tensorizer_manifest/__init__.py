@@ -19,6 +19,7 @@ from ._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT, WORKER_EXTENSION, __ve
 from .errors import (
     CheckpointNotFoundError,
     CompatibilityError,
+    ConcurrentWriteError,
     ConfigurationError,
     IntegrityError,
     ManifestError,
@@ -112,6 +113,7 @@ __all__ = [
     "UnsupportedVLLMError",
     "NotReproducibleError",
     "ReplayError",
+    "ConcurrentWriteError",
     "RemoteStorageError",
     "RemoteNotFoundError",
     "RemoteAccessError",

@@ -7,6 +7,8 @@ made with it passes; an encrypted checkpoint's manifest is always sealed with a 
 
 from __future__ import annotations
 
+import hmac
+
 from .._constants import ENCRYPTION_KEY_ENV, SIGNING_KEY_ENV
 from ..errors import (
     ConfigurationError,
@@ -79,7 +81,7 @@ def check_seal(
             return ConfigurationError, (
                 f"the manifest is sealed with its encryption key (mac-encryption-key); {_PASS_THE_ENCRYPTION_KEY}"
             )
-        if seal_hash(manifest, seal.mode, encryption_key=encryption_key) != seal.hash:
+        if not _same_hash(seal_hash(manifest, seal.mode, encryption_key=encryption_key), seal.hash):
             return IntegrityError, (
                 "the manifest was modified after it was saved, or the encryption key is not the one it was saved "
                 "with (its seal does not match): use the right key, or re-save the checkpoint"
@@ -99,7 +101,7 @@ def check_seal(
             "a signing key was given but the manifest's seal is a plain digest, which anyone who edits the "
             "manifest can recompute: it was saved without the key, or edited and re-sealed; re-save it with the key"
         )
-    if seal_hash(manifest, seal.mode, signing_key) != seal.hash:
+    if not _same_hash(seal_hash(manifest, seal.mode, signing_key), seal.hash):
         if seal.mode == "mac":
             return IntegrityError, (
                 "the manifest was modified after it was saved, or the signing key is not the one it was saved with "
@@ -109,6 +111,12 @@ def check_seal(
             "the manifest was modified after it was saved (its seal does not match its content): re-save the checkpoint"
         )
     return None
+
+
+def _same_hash(computed: str, recorded: str) -> bool:
+    """Seal hashes compared in constant time: a MAC compared with ``==`` tells, by its timing, how many leading
+    characters of a forged one were right."""
+    return hmac.compare_digest(computed.encode(), recorded.encode())
 
 
 def unsealed_warning(manifest: Manifest) -> str | None:

@@ -26,7 +26,7 @@ import torch
 
 from .._constants import PRODUCER
 from ..checks.seal import check_seal
-from ..errors import ConcurrentWriteError, ManifestError
+from ..errors import ConcurrentWriteError, ConfigurationError, ManifestError
 from ..format.schema import (
     ENCRYPTION_TENSORIZER,
     MANIFEST_SUFFIX,
@@ -282,7 +282,8 @@ def manifest_lock(out_dir: Path, stem: str) -> Iterator[None]:
     """Writers of one checkpoint commit one at a time: an exclusive ``flock`` on ``.<stem>.manifest.json.lock``
     (a file that stays), released by the kernel when its holder dies, even by ``kill -9``. Across hosts on a
     shared file system it serialises them as far as that file system's locks do (NFSv4's do)."""
-    fd = os.open(out_dir / f".{stem}{MANIFEST_SUFFIX}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock_path = out_dir / f".{stem}{MANIFEST_SUFFIX}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -296,9 +297,23 @@ def manifest_lock(out_dir: Path, stem: str) -> Iterator[None]:
                         f"{LOCK_TIMEOUT_S:.0f} s; nothing was committed: re-run when it is done"
                     ) from None
                 time.sleep(0.01)
+            except OSError as exc:
+                raise _no_locks_here(lock_path, exc) from None
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _no_locks_here(lock_path: Path, exc: OSError) -> ConfigurationError:
+    """A file system that cannot lock (some FUSE and SMB mounts: ``ENOLCK``, ``ENOTSUP``): refused, not guessed.
+
+    A lock that only looks held (a lock file made with ``O_EXCL``, filelock's soft fallback) would outlive a
+    writer killed with ``-9`` and block every later one, or let two writers in at once: neither is safe."""
+    return ConfigurationError(
+        f"{lock_path.parent}: this file system cannot lock files ({exc.strerror or type(exc).__name__} on "
+        f"{lock_path.name}), and writers of a checkpoint take turns under a lock; nothing was committed. Write the "
+        "checkpoint on a local disk or a file system with locks (NFSv4 has them), then copy it, or upload it to S3"
+    )
 
 
 def current_generation(manifest_path: Path) -> str | None:

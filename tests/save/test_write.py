@@ -583,3 +583,24 @@ def test_damaged_bytes_of_an_added_form_are_caught_by_their_content_hash(tmp_pat
     path.write_bytes(bytes(data))
     problems = validate_checkpoint(checkpoint).problems
     assert len(problems) == 1 and form.tensor_file.path in problems[0].where and "content hash" in problems[0].message
+
+
+def test_a_file_system_without_locks_is_a_typed_refusal_and_nothing_is_committed(tmp_path, monkeypatch):
+    import errno
+
+    from helpers.synthetic import experts_form_capture, write_synthetic_checkpoint
+
+    from tensorizer_manifest.errors import ConfigurationError
+    from tensorizer_manifest.save import write
+
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    manifest_bytes = (checkpoint / MANIFEST).read_bytes()
+
+    def no_locks(fd, operation):  # what flock answers on a mount without locks (some FUSE and SMB mounts)
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(write.fcntl, "flock", no_locks)
+    with pytest.raises(ConfigurationError, match="cannot lock files") as refused:
+        write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
+    assert str(checkpoint) in str(refused.value)
+    assert (checkpoint / MANIFEST).read_bytes() == manifest_bytes
