@@ -39,6 +39,9 @@ format: setup
 
 schema: setup
 	.venv/bin/tensorizer-manifest schema > schemas/manifest-v2.schema.json  # manifest-v1.schema.json stays as published
+	.venv/bin/python -c "import msgspec, sys; from tensorizer_manifest.format.generation import json_schema; \
+		sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b'\n')" \
+		> schemas/manifest-v3.schema.json  # the pointer and the generation (format version 3)
 
 # Figures, not assertions (docs/performance.md): load time of every path as a fresh process, manifest
 # scaling, validation and hashing, GPTQ and MoE. Takes 25-35 minutes on 2 cores; run it on a quiet machine.

@@ -11,13 +11,9 @@ and commits nothing, so that no writer silently loses another's work.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
-import socket
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import blake3
@@ -26,7 +22,7 @@ import torch
 
 from .._constants import PRODUCER
 from ..checks.seal import check_seal
-from ..errors import ConcurrentWriteError, ConfigurationError, ManifestError
+from ..errors import ConcurrentWriteError, ManifestError
 from ..format.schema import (
     ENCRYPTION_TENSORIZER,
     MANIFEST_SUFFIX,
@@ -52,6 +48,7 @@ from ..format.schema import (
 from ..model.layers import TensorSlot
 from ..model.tensors import make_record
 from ..progress import ProgressCallback, ProgressCounter
+from ..storage.files import exclusive_lock, fsync_file, replace_atomically, temporary_name, this_host
 from ..storage.remote import is_model_file
 from ..storage.tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
 from .capture import Capture
@@ -272,48 +269,9 @@ def write_added_form(
     return manifest
 
 
-#: How long a writer waits for another writer's commit to the same checkpoint (each holds the lock for the
-#: compare and the rename: milliseconds) before it gives up with ``ConcurrentWriteError``.
-LOCK_TIMEOUT_S = 60.0
-
-
-@contextmanager
-def manifest_lock(out_dir: Path, stem: str) -> Iterator[None]:
-    """Writers of one checkpoint commit one at a time: an exclusive ``flock`` on ``.<stem>.manifest.json.lock``
-    (a file that stays), released by the kernel when its holder dies, even by ``kill -9``. Across hosts on a
-    shared file system it serialises them as far as that file system's locks do (NFSv4's do)."""
-    lock_path = out_dir / f".{stem}{MANIFEST_SUFFIX}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ConcurrentWriteError(
-                        f"{out_dir / (stem + MANIFEST_SUFFIX)}: another writer has held its lock for over "
-                        f"{LOCK_TIMEOUT_S:.0f} s; nothing was committed: re-run when it is done"
-                    ) from None
-                time.sleep(0.01)
-            except OSError as exc:
-                raise _no_locks_here(lock_path, exc) from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _no_locks_here(lock_path: Path, exc: OSError) -> ConfigurationError:
-    """A file system that cannot lock (some FUSE and SMB mounts: ``ENOLCK``, ``ENOTSUP``): refused, not guessed.
-
-    A lock that only looks held (a lock file made with ``O_EXCL``, filelock's soft fallback) would outlive a
-    writer killed with ``-9`` and block every later one, or let two writers in at once: neither is safe."""
-    return ConfigurationError(
-        f"{lock_path.parent}: this file system cannot lock files ({exc.strerror or type(exc).__name__} on "
-        f"{lock_path.name}), and writers of a checkpoint take turns under a lock; nothing was committed. Write the "
-        "checkpoint on a local disk or a file system with locks (NFSv4 has them), then copy it, or upload it to S3"
-    )
+def manifest_lock(out_dir: Path, stem: str):
+    """Writers of one checkpoint commit one at a time: ``files.exclusive_lock`` on ``.<stem>.manifest.json.lock``."""
+    return exclusive_lock(out_dir / f".{stem}{MANIFEST_SUFFIX}.lock", out_dir / (stem + MANIFEST_SUFFIX))
 
 
 def current_generation(manifest_path: Path) -> str | None:
@@ -363,7 +321,7 @@ def _write_tensors(
     if encryption_key is not None:
         ref.encryption = ENCRYPTION_TENSORIZER
     counter = ProgressCounter(progress, len(to_store), sum(_nbytes(slot) for _, slot in to_store))
-    tmp_tensors = out_dir / _temporary_name(tensor_name)
+    tmp_tensors = out_dir / temporary_name(tensor_name)
     try:
         write_tensor_file(
             tmp_tensors, stored_tensors(to_store), encryption_key, on_written=lambda _, n: counter.advance(n)
@@ -380,7 +338,7 @@ def _write_tensors(
             # so that a re-save never replaces the file an older manifest names.
             head = ref.head_hash.removeprefix("blake3:")[:16]
             tensor_name = ref.path = tensor_name.replace(TENSORS_SUFFIX, f"-{head}{TENSORS_SUFFIX}")
-        _fsync(tmp_tensors)
+        fsync_file(tmp_tensors)
         os.replace(tmp_tensors, out_dir / tensor_name)
     finally:
         tmp_tensors.unlink(missing_ok=True)
@@ -389,15 +347,7 @@ def _write_tensors(
 
 def _write_manifest(out_dir: Path, stem: str, manifest: Manifest) -> None:
     """``<stem>.manifest.json``, written beside and renamed over the old one: the commit point."""
-    manifest_name = stem + MANIFEST_SUFFIX
-    tmp_manifest = out_dir / _temporary_name(manifest_name)
-    try:
-        tmp_manifest.write_bytes(encode_manifest(manifest))
-        _fsync(tmp_manifest)
-        os.replace(tmp_manifest, out_dir / manifest_name)  # the commit point
-        _fsync_dir(out_dir)
-    finally:
-        tmp_manifest.unlink(missing_ok=True)
+    replace_atomically(out_dir / (stem + MANIFEST_SUFFIX), encode_manifest(manifest))
 
 
 def _nbytes(slot: TensorSlot) -> int:
@@ -405,22 +355,12 @@ def _nbytes(slot: TensorSlot) -> int:
     return slot.tensor.numel() * slot.tensor.element_size()
 
 
-def _this_host() -> str:
-    """This host's name as a temporary's name carries it (no dots, so that the name splits back)."""
-    return socket.gethostname().replace(".", "_") or "localhost"
-
-
-def _temporary_name(name: str) -> str:
-    """``.<name>.<host>.<pid>.tmp``: whose it is, so that cleaning up never touches another host's file."""
-    return f".{name}.{_this_host()}.{os.getpid()}.tmp"
-
-
 def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:
     """Hidden temporaries of this host's saves that were killed (their process is gone). Another host's are
     never touched: a process id means nothing here (a shared file system)."""
     for tmp in out_dir.glob(f".{stem}.*.tmp"):
         _, host, pid, _ = tmp.name.rsplit(".", 3)
-        if host != _this_host() or not pid.isdigit() or int(pid) == os.getpid():
+        if host != this_host() or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)
@@ -428,19 +368,6 @@ def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:
             tmp.unlink(missing_ok=True)
         except PermissionError:  # alive, another user's
             pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def copy_model_files(src_dir: Path, out_dir: Path) -> list[str]:

@@ -592,6 +592,7 @@ def test_a_file_system_without_locks_is_a_typed_refusal_and_nothing_is_committed
 
     from tensorizer_manifest.errors import ConfigurationError
     from tensorizer_manifest.save import write
+    from tensorizer_manifest.storage import files
 
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
     manifest_bytes = (checkpoint / MANIFEST).read_bytes()
@@ -599,7 +600,7 @@ def test_a_file_system_without_locks_is_a_typed_refusal_and_nothing_is_committed
     def no_locks(fd, operation):  # what flock answers on a mount without locks (some FUSE and SMB mounts)
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(write.fcntl, "flock", no_locks)
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
     with pytest.raises(ConfigurationError, match="cannot lock files") as refused:
         write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
     assert str(checkpoint) in str(refused.value)

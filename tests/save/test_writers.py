@@ -25,6 +25,7 @@ from tensorizer_manifest.errors import ConcurrentWriteError, IntegrityError
 from tensorizer_manifest.format.schema import MANIFEST_SUFFIX, SigningKey, manifest_generation
 from tensorizer_manifest.save import write
 from tensorizer_manifest.storage.checkpoint import read_manifest
+from tensorizer_manifest.storage.files import this_host
 
 MANIFEST = "model" + MANIFEST_SUFFIX
 #: Start offsets of the second writer, in seconds (the first starts at the gate): same instant, then later.
@@ -223,7 +224,7 @@ def test_add_form_checks_the_seal_it_replaces_with_the_key_it_was_made_with(tmp_
 def test_cleaning_up_never_touches_another_hosts_temporaries(tmp_path):
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
     dead = 2**22 + 12345  # above any pid this machine hands out
-    ours = checkpoint / f".model.0123456789abcdef.tensors.{write._this_host()}.{dead}.tmp"
+    ours = checkpoint / f".model.0123456789abcdef.tensors.{this_host()}.{dead}.tmp"
     theirs = checkpoint / f".model.0123456789abcdef.tensors.another-host.{dead}.tmp"
     for tmp in (ours, theirs):
         tmp.write_bytes(b"half a tensor file")

@@ -1,0 +1,302 @@
+"""Format version 3: the pointer and the generations behind it (``docs/design.md``, "Format version 3").
+
+A checkpoint is immutable files and one mutable object, the pointer (``Pointer``): it names the current
+``Generation``, a document that names every file a load may use with its size and content hash (the model
+files vLLM reads, the form sets' rank manifests, the base, compile forms) and is sealed as a manifest is. A
+writer writes a new generation's files, then swaps the pointer by compare-and-swap on the generation id; ids
+never repeat (``new_generation_id``), so the swap has no ABA.
+
+Encoding: these structs leave a field at its default out through msgspec itself (``omit_defaults``), wherever it
+sits, so fields can be appended without touching the bytes of documents that do not use them. The version-2
+``Manifest`` keeps its own frozen encoding (``schema._encode``). No torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Annotated, Literal
+
+import msgspec
+
+from ..errors import ConfigurationError, ManifestError, ManifestVersionError
+from .schema import (
+    ContentHash,
+    EncryptionKey,
+    Fingerprint,
+    Seal,
+    SealMode,
+    SigningKey,
+    Size,
+    blake3_hex,
+    seal_mode,
+)
+
+GENERATIONS_FORMAT_VERSION = 3
+"""The first format version with a pointer and generations."""
+POINTER_NAME = "tensorizer-manifest.json"
+"""The pointer's name at the checkpoint's top: the one file writers replace."""
+GENERATIONS_DIR = "generations"
+"""Each generation's own files are under ``generations/<id>/``."""
+GENERATION_DOCUMENT = "generation.json"
+
+_GENERATION_ID = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{32}$"
+GenerationId = Annotated[str, msgspec.Meta(pattern=_GENERATION_ID)]
+"""``<UTC yyyymmddTHHMMSSZ>-<32 random hex digits>``: the time is for people; the random part makes it unique."""
+
+#: A path inside the checkpoint: relative, ``/``-separated, no ``..``, no empty or hidden part. Checked by the
+#: type, so that no decoded document names a file outside its checkpoint.
+_INSIDE = r"^(?!.*(^|/)\.)(?!.*//)[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*(/[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*)*$"
+InsidePath = Annotated[str, msgspec.Meta(pattern=_INSIDE, max_length=512)]
+
+MadeBy = Literal["save", "add-form", "add-form-compile", "migrate"]
+BaseMode = Literal["inside", "reference"]
+
+
+class _Struct3(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+    """Base of the version-3 types: a field at its default is left out of the encoding by msgspec."""
+
+
+class FileRef(_Struct3, kw_only=True):
+    """A file of the checkpoint, as a generation names it: where, how large, what bytes."""
+
+    path: InsidePath
+    size: Size
+    hash: ContentHash
+
+
+class ModelFile(_Struct3, kw_only=True):
+    """A file vLLM reads from its ``model`` directory (config, tokenizer, generation config): its name there, and
+    the generation's own copy."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*$", max_length=255)]
+    file: FileRef
+
+
+class Layout(_Struct3, kw_only=True):
+    """A parallel layout: tensor-, pipeline- and expert-parallel sizes."""
+
+    tp: Annotated[int, msgspec.Meta(ge=1)] = 1
+    pp: Annotated[int, msgspec.Meta(ge=1)] = 1
+    ep: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class RankRef(_Struct3, kw_only=True):
+    """One rank's manifest in a form set (``model-tp0-of-2``...)."""
+
+    stem: Annotated[str, msgspec.Meta(pattern=r"^model(-tp\d+-of-\d+)?(-pp\d+-of-\d+)?$")]
+    manifest: FileRef
+
+
+class FormSet(_Struct3, kw_only=True):
+    """Every rank's manifest for one parallel layout, as one engine (machine kind, vLLM) made them."""
+
+    layout: Layout
+    fingerprint: Fingerprint
+    ranks: list[RankRef]
+
+
+class BaseRef(_Struct3, kw_only=True):
+    """The layout-free base: the source's tensors under the source's names (#34), in the checkpoint (``inside``)
+    or in the source's own files, named with their hashes (``reference``)."""
+
+    mode: BaseMode
+    document: FileRef
+
+
+class CompileFile(_Struct3, kw_only=True):
+    """One artifact of a compile form, at ``offset`` in its archive."""
+
+    path: InsidePath
+    offset: Size
+    size: Size
+    hash: ContentHash
+
+
+class CompileForm(_Struct3, kw_only=True):
+    """What a cold engine of one machine kind would compile (#35): used only under a verified seal."""
+
+    machine: list[str]
+    vllm_version: str
+    torch_version: str
+    config_hash: str
+    aot: bool = False
+    archive: FileRef
+    files: list[CompileFile] = []
+
+
+class Generation(_Struct3, kw_only=True):
+    """One immutable version of a checkpoint: every file a load may use, with its hash."""
+
+    format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]
+    id: GenerationId
+    parent: GenerationId | None = None
+    """The generation this one replaced: what ``gc`` walks."""
+    producer: str
+    made_by: MadeBy
+    model_files: list[ModelFile] = []
+    base: BaseRef | None = None
+    """None: no base, the layout is pinned (as in version 2)."""
+    form_sets: list[FormSet] = []
+    compile_forms: list[CompileForm] = []
+    seal: Seal | None = None
+    """Over every other field (``generation_seal_hash``); every document is sealed when written."""
+
+    def named_paths(self) -> list[str]:
+        """Every file this generation names (its own document aside), in document order."""
+        paths = [m.file.path for m in self.model_files]
+        if self.base is not None:
+            paths.append(self.base.document.path)
+        paths += [r.manifest.path for s in self.form_sets for r in s.ranks]
+        paths += [c.archive.path for c in self.compile_forms]
+        return paths
+
+
+class Pointer(_Struct3, kw_only=True):
+    """The current generation of a checkpoint: its id, its document and the hash of the document's bytes."""
+
+    format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]
+    generation: GenerationId
+    document: InsidePath
+    hash: ContentHash
+
+
+def new_generation_id(now: float | None = None) -> str:
+    """A generation id that never repeats: the UTC time (for people and listings) and 128 random bits."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{os.urandom(16).hex()}"
+
+
+def generation_document_path(generation_id: str) -> str:
+    """``generations/<id>/generation.json``."""
+    return f"{GENERATIONS_DIR}/{generation_id}/{GENERATION_DOCUMENT}"
+
+
+def generation_dir(generation_id: str) -> str:
+    """``generations/<id>``: where a generation's own files are written."""
+    return f"{GENERATIONS_DIR}/{generation_id}"
+
+
+_encoder = msgspec.json.Encoder()
+_pointer_decoder = msgspec.json.Decoder(Pointer)
+_generation_decoder = msgspec.json.Decoder(Generation)
+
+
+class _Version(msgspec.Struct, gc=False):
+    format_version: object = None
+
+
+_version_decoder = msgspec.json.Decoder(_Version)
+
+#: The seal's header: what it covers is a version-3 document (a version-2 manifest's seal starts ``seal v1``).
+_SEAL_HEAD = "tensorizer-manifest seal v3 {mode}\n"
+
+
+def canonical_generation_bytes(generation: Generation, mode: SealMode) -> bytes:
+    """What a generation's seal covers: the header with its mode, then its compact encoding without the seal."""
+    return _SEAL_HEAD.format(mode=mode).encode() + _encoder.encode(msgspec.structs.replace(generation, seal=None))
+
+
+def generation_seal_hash(
+    generation: Generation,
+    mode: SealMode,
+    key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+) -> str:
+    """The seal's hash in ``mode`` (keyed as a manifest's is: ``schema.seal_hash``)."""
+    data = canonical_generation_bytes(generation, mode)
+    if mode == "mac":
+        if key is None:
+            raise ConfigurationError("a mac seal needs a signing key")
+        return key.mac(data)
+    if mode == "mac-encryption-key":
+        if encryption_key is None:
+            raise ConfigurationError("a mac-encryption-key seal needs the encryption key")
+        return encryption_key.seal_key.mac(data)
+    return blake3_hex(data)
+
+
+def seal_generation(
+    generation: Generation, key: SigningKey | None = None, encryption_key: EncryptionKey | None = None
+) -> Generation:
+    """The generation with its seal (the mode from the keys given, as for a manifest)."""
+    mode = seal_mode(key, encryption_key)
+    seal = Seal(mode=mode, hash=generation_seal_hash(generation, mode, key, encryption_key))
+    return msgspec.structs.replace(generation, seal=seal)
+
+
+def encode_generation(generation: Generation) -> bytes:
+    """Pretty JSON, as manifests are written: read by people as well as machines."""
+    return msgspec.json.format(_encoder.encode(generation), indent=1) + b"\n"
+
+
+def encode_pointer(pointer: Pointer) -> bytes:
+    return msgspec.json.format(_encoder.encode(pointer), indent=1) + b"\n"
+
+
+def pointer_to(generation_id: str, document: bytes) -> Pointer:
+    """The pointer to a generation whose document's bytes are ``document``."""
+    return Pointer(
+        format_version=GENERATIONS_FORMAT_VERSION,
+        generation=generation_id,
+        document=generation_document_path(generation_id),
+        hash=blake3_hex(document),
+    )
+
+
+def decode_pointer(data: bytes, source: str = "pointer") -> Pointer:
+    """Decode a pointer; a damaged one is a ``ManifestError`` naming its location, a newer format refused as such."""
+    pointer = _decode(_pointer_decoder, data, source, "pointer")
+    if pointer.document != generation_document_path(pointer.generation):
+        raise ManifestError(
+            f"{source}: the pointer names generation {pointer.generation} but the document {pointer.document}; "
+            "it was edited by hand or damaged: restore it, or save the checkpoint again"
+        )
+    return pointer
+
+
+def decode_generation(data: bytes, source: str = "generation") -> Generation:
+    """Decode a generation document; failures as ``decode_pointer``'s."""
+    return _decode(_generation_decoder, data, source, "generation document")
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes, source: str, what: str):
+    if not data or data.isspace():
+        raise ManifestError(f"{source}: the {what} is empty; save the checkpoint again")
+    try:
+        document = decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        _refuse_a_newer_format(_version_of(data), source)
+        raise ManifestError(f"{source}: {exc}; the {what} is damaged or was edited by hand") from None
+    except msgspec.DecodeError as exc:
+        raise ManifestError(f"{source}: not valid JSON ({exc}); the {what} is damaged") from None
+    except RecursionError:
+        raise ManifestError(f"{source}: JSON nested too deeply to be a {what}") from None
+    _refuse_a_newer_format(document.format_version, source)  # a newer version whose fields this one knows
+    return document
+
+
+def _version_of(data: bytes) -> object:
+    try:
+        return _version_decoder.decode(data).format_version
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _refuse_a_newer_format(version: object, source: str) -> None:
+    if isinstance(version, int) and not isinstance(version, bool) and version > GENERATIONS_FORMAT_VERSION:
+        raise ManifestVersionError(
+            f"{source}: format version {version} is newer than the version {GENERATIONS_FORMAT_VERSION} this "
+            "tensorizer-manifest reads; upgrade tensorizer-manifest"
+        )
+
+
+def is_generation_id(text: str) -> bool:
+    return re.fullmatch(_GENERATION_ID, text) is not None
+
+
+def json_schema() -> dict:
+    """The JSON Schema of the version-3 documents: the pointer and the generation (``$defs`` hold both)."""
+    (pointer, generation), components = msgspec.json.schema_components([Pointer, Generation])
+    return {"anyOf": [pointer, generation], "$defs": components}
