@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,7 +40,6 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.fused_moe.oracle.int8", "make_int8_moe_kernel",
      ("int8_backend", "moe_quant_config", "moe_config", "experts_cls", "routing_tables")),
     ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._expert_routing_tables", ("self",)),
-    ("vllm.entrypoints.serve.utils.api_utils", "log_non_default_args", ()),
     ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", ()),
     ("vllm.model_executor.model_loader.reload.meta", "get_numel_loaded", ()),
     ("vllm.model_executor.model_loader.reload.meta", "to_meta_tensor", ()),
@@ -114,43 +114,116 @@ def _gone(what: str) -> UnsupportedVLLMError:
 # --- model loaders -------------------------------------------------------------------------------
 
 
-#: The logger vLLM prints its engine arguments with ("non-default args: {...}"), ``LLM()`` and ``vllm serve``
-#: alike; ``model_loader_extra_config`` is printed whole.
-ENGINE_ARGS_LOGGER = "vllm.entrypoints.serve.utils.api_utils"
+#: How deep in a log record's arguments (dicts, and lists and tuples in them) credential keys are looked for.
+_REDACT_DEPTH = 6
 
 
-class RedactOptions(logging.Filter):
-    """Replaces the values of some keys, in dicts among a log record's arguments, with ``***``."""
-
-    def __init__(self, keys: frozenset[str]):
-        super().__init__()
-        self.keys = keys
-
-    def _redact(self, value: Any, depth: int = 0) -> Any:
-        if isinstance(value, dict) and depth < 4:
-            return {k: "***" if k in self.keys else self._redact(v, depth + 1) for k, v in value.items()}
+def _redact_value(value: Any, keys: frozenset[str], depth: int = 0) -> Any:
+    """``value`` with the values of ``keys`` in its dicts (nested, in lists and tuples too) replaced by ``***``;
+    ``value`` itself where there is none."""
+    if depth >= _REDACT_DEPTH:
         return value
+    if isinstance(value, dict):
+        redacted = {k: "***" if k in keys else _redact_value(v, keys, depth + 1) for k, v in value.items()}
+        return redacted if any(redacted[k] is not v for k, v in value.items()) else value
+    if type(value) in (list, tuple):
+        items = [_redact_value(item, keys, depth + 1) for item in value]
+        return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, dict):
-            record.args = self._redact(record.args)
-        elif isinstance(record.args, tuple):
-            record.args = tuple(self._redact(arg) for arg in record.args)
-        return True
+
+def _key_pattern(keys: frozenset[str]) -> re.Pattern[str]:
+    """One of ``keys`` then its value, as a dict's repr, JSON (escaped or not) and ``key=value`` write them:
+    ``'k': 'v'``, ``"k": "v"``, ``\\"k\\": \\"v\\"``, ``k='v'``, ``k=v``; a quoted value cut short runs to the
+    end of the text. A hyphen matches an underscore."""
+    names = "|".join(re.escape(key).replace("_", "[_-]") for key in sorted(keys, key=len, reverse=True))
+    value = r"(?P<vq>\\*['\"])(?P<quoted>(?:(?!(?P=vq)).)*)(?:(?P=vq)|\Z)|(?P<bare>[^\s,;()\[\]{}'\"\\]+)"
+    return re.compile(
+        rf"(?P<kq>\\*['\"]?)(?P<key>\b(?:{names}))(?P=kq)(?P<sep>\s*[:=]\s*)(?:{value})", re.IGNORECASE | re.DOTALL
+    )
+
+
+def _redact_text(text: str, pattern: re.Pattern[str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        kq, sep, vq = match.group("kq"), match.group("sep"), match.group("vq")
+        if vq is None and not kq and ":" in sep:  # "s3_secret_access_key: required" is prose, not a value
+            return match.group(0)
+        return f"{kq}{match.group('key')}{kq}{sep}{vq or ''}***{vq or ''}"
+
+    return pattern.sub(replace, text)
+
+
+_TRACEBACKS = logging.Formatter()
+
+
+class RedactingRecordFactory:
+    """A log record factory (``logging.setLogRecordFactory``) that wraps another and hides ``keys``' values in
+    every record it makes, whichever logger logs it and whichever handler prints it.
+
+    In the record's arguments (a dict, or dicts in the tuple) and in a dict logged as the message, those keys'
+    values become ``***``; then the message as it will print is searched for each key followed by a value (a
+    dict's or a config's repr, JSON, ``key=value``) and, where one is found, the record carries the text with
+    ``***`` for the value instead of its message and arguments. So is the traceback of an exception logged.
+    """
+
+    def __init__(self, wrapped: Callable[..., logging.LogRecord], keys: frozenset[str]):
+        self.wrapped = wrapped
+        self.keys = frozenset(keys)
+        self._pattern = _key_pattern(self.keys)
+
+    def add(self, keys: frozenset[str]) -> None:
+        if not keys <= self.keys:
+            self.keys = self.keys | keys
+            self._pattern = _key_pattern(self.keys)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self.wrapped(*args, **kwargs)
+        self.redact(record)
+        return record
+
+    def redact(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, dict):
+            record.msg = _redact_value(record.msg, self.keys)
+        if isinstance(record.args, dict | tuple):
+            record.args = _redact_value(record.args, self.keys, -1)
+        try:
+            text = record.getMessage()
+        except Exception:  # arguments that do not fit the message: logging reports them (redacted above)
+            text = None
+        if text is not None and (redacted := _redact_text(text, self._pattern)) != text:
+            record.msg, record.args = redacted, ()
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            # A formatter prints the traceback it finds in exc_text rather than format it again.
+            trace = _TRACEBACKS.formatException(record.exc_info)
+            redacted = _redact_text(trace, self._pattern)
+            if redacted != trace:
+                record.exc_text = redacted
+
+
+def _record_factories() -> Iterator[Any]:
+    """The log record factory in place, then those it wraps, as far as each names the one it wraps (ours as
+    ``wrapped``, vLLM's as ``_factory``)."""
+    factory: Any = logging.getLogRecordFactory()
+    for _ in range(16):
+        if factory is None:
+            return
+        yield factory
+        factory = getattr(factory, "wrapped", None) or getattr(factory, "_factory", None)
 
 
 def redact_logged_options(keys: frozenset[str]) -> None:
-    """Never let vLLM log these ``model_loader_extra_config`` keys' values (it logs its engine arguments).
+    """Never let a log record of this process show these ``model_loader_extra_config`` keys' values: vLLM logs
+    its engine arguments, that dict included (and the logger it logs them with moves between its releases).
 
-    One filter per logger however often this is called (the plugin calls it in every vLLM process): later
-    keys join the existing filter's."""
-    for name in (ENGINE_ARGS_LOGGER, "vllm"):
-        logger = logging.getLogger(name)
-        existing = next((f for f in logger.filters if isinstance(f, RedactOptions)), None)
-        if existing is None:
-            logger.addFilter(RedactOptions(keys))
-        else:
-            existing.keys = existing.keys | keys
+    The redaction sits in the process's log record factory, which makes every record of every logger before a
+    filter or handler sees it, rather than in a filter on named loggers, which Python does not apply to their
+    children's records. Installed once however often this is called (the plugin calls it in every vLLM process;
+    vLLM wraps the factory in its own when it configures logging): later keys join the installed ones."""
+    installed = next((f for f in _record_factories() if isinstance(f, RedactingRecordFactory)), None)
+    if installed is not None:
+        installed.add(keys)
+    else:
+        logging.setLogRecordFactory(RedactingRecordFactory(logging.getLogRecordFactory(), keys))
 
 
 def register_model_loader_once(load_format: str, loader_cls: type) -> bool:
@@ -361,20 +434,43 @@ def _model_parallel_groups() -> list[Any]:
     return [group for group in groups if group.world_size > 1]
 
 
-def shared_save_id() -> str | None:
-    """A random id every rank of this engine's model gets the same of (tensor and pipeline parallel): the first
-    rank's, broadcast along the pipeline, then across each stage's tensor-parallel group (gloo, on the CPU).
-    None for one rank. Every rank must call it (a save does, through ``collective_rpc``)."""
+def first_rank_bytes(data: bytes, size: int) -> bytes:
+    """The first rank's ``data`` (at most ``size`` bytes; padded with zeros to it) on every rank of this engine's
+    model: broadcast along the pipeline, then across each stage's tensor-parallel group (gloo, on the CPU; bytes in a
+    uint8 tensor, never a pickle). One rank: ``data`` itself. Every rank must call it with the same ``size``."""
     import torch
     import torch.distributed as dist
 
+    if len(data) > size:
+        raise ValueError(f"{len(data)} bytes do not fit the {size} broadcast")
     groups = _model_parallel_groups()
     if not groups:
-        return None
-    token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8).clone()
+        return data.ljust(size, b"\0")
+    token = torch.frombuffer(bytearray(data.ljust(size, b"\0")), dtype=torch.uint8).clone()
     for group in groups:
         dist.broadcast(token, src=group.ranks[0], group=group.cpu_group)
-    return bytes(token.tolist()).hex()
+    return bytes(token.tolist())
+
+
+def shared_save_id() -> str | None:
+    """A random id every rank of this engine's model gets the same of (tensor and pipeline parallel): the first
+    rank's (``first_rank_bytes``). None for one rank. Every rank must call it (a save does, through
+    ``collective_rpc``)."""
+    if not _model_parallel_groups():
+        return None
+    return first_rank_bytes(os.urandom(16), 16).hex()
+
+
+def shared_save_id_needed() -> bool:
+    """Whether this engine's model has more than one rank (its manifests then carry a save id)."""
+    return bool(_model_parallel_groups())
+
+
+def shared_generation_id() -> str:
+    """A new generation id (``format.generation.new_generation_id``), the first rank's on every rank."""
+    from .format.generation import new_generation_id
+
+    return first_rank_bytes(new_generation_id().encode(), 64).rstrip(b"\0").decode()
 
 
 def every_rank_succeeded(succeeded: bool) -> bool:

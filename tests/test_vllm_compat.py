@@ -64,21 +64,116 @@ def test_engine_facts_outside_an_engine():
     assert isinstance(_vllm_compat.onednn_enabled(), bool)
 
 
-def test_logged_engine_arguments_hide_credential_options(caplog):
+KEY_ID, SECRET = "AKIAREDACTME00000042", "s3cr3t-never-logged-7d6c5b"
+CREDENTIALS = {"s3_access_key_id": KEY_ID, "s3_secret_access_key": SECRET, "s3_endpoint": "http://127.0.0.1:9"}
+
+#: vLLM's own path, in a process of its own (vLLM's logging setup is process-wide): ``EngineArgs`` (which loads
+#: the plugins, ours by its entry point), vLLM's logging configured as ``LLM(...)`` configures it, then the
+#: "non-default args" function as ``LLM(...)`` and ``vllm serve`` each reach it, on ``EngineArgs`` and on the
+#: server's parsed command line; then a record on vLLM 0.33's logger of those arguments.
+_VLLMS_PATH = """
+import json, logging, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints import llm
+from vllm.entrypoints.launchers import cli_args, launcher
+from vllm.logger import configure_logging_if_needed
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+extra = json.loads(sys.argv[1])
+engine_args = EngineArgs(model="some/model", load_format="tensorizer_manifest", model_loader_extra_config=extra)
+configure_logging_if_needed(engine_args.create_logging_config())
+llm.log_non_default_args(engine_args)
+argv = ["--model", "some/model", "--load-format", "tensorizer_manifest", "--model-loader-extra-config", sys.argv[1]]
+args = cli_args.make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+assert args.model_loader_extra_config == extra, args.model_loader_extra_config  # vLLM's parser made it a dict
+launcher.log_non_default_args(args)
+logging.getLogger("vllm.entrypoints.common.startup").debug("non-default args: %s", {"model_loader_extra_config": extra})
+"""
+
+
+def test_vllms_engine_args_log_shows_no_credential_at_debug():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    extra = {"checkpoint_dir": "s3://bucket/model", **CREDENTIALS}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_COLOR": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _VLLMS_PATH, json.dumps(extra)], env=env, capture_output=True, text=True, timeout=300
+    )
+    printed = proc.stdout + proc.stderr
+    assert proc.returncode == 0, printed[-5000:]
+    lines = [line for line in printed.splitlines() if "non-default args" in line]
+    assert len(lines) == 3 and all(" INFO " in x for x in lines[:2]) and " DEBUG " in lines[2], printed[-5000:]
+    assert KEY_ID not in printed and SECRET not in printed, printed[-5000:]
+    assert all("'s3_secret_access_key': '***'" in x and "'s3_access_key_id': '***'" in x for x in lines), lines
+    assert all("s3://bucket/model" in x and "http://127.0.0.1:9" in x for x in lines), lines  # the rest is shown
+
+
+def test_a_record_of_any_logger_is_redacted(caplog):
+    """vLLM 0.33 logs its engine arguments on ``vllm.entrypoints.common.startup``, a child of the loggers the
+    filter used to sit on; a logger outside vLLM with a handler of its own, a message formatted before logging
+    (a config's repr, JSON, JSON in JSON), a dict as the message: all redacted."""
+    import io
+    import json
+    import logging
+    from argparse import Namespace
+
+    from tensorizer_manifest.storage.remote import CREDENTIAL_OPTIONS
+
+    _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
+    extra = {"tensorizer_config": dict(CREDENTIALS), **CREDENTIALS}
+    startup = logging.getLogger("vllm.entrypoints.common.startup")
+    elsewhere = logging.getLogger("not_vllm.loader")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    elsewhere.addHandler(handler)
+    elsewhere.propagate = False
+    try:
+        with caplog.at_level(logging.DEBUG):
+            startup.info("non-default args: %s", {"model_loader_extra_config": extra})
+            startup.debug(f"with config: load_config={Namespace(**extra)!r}")
+            logging.getLogger("vllm.some.where").debug("argv: %s", ["--model-loader-extra-config", json.dumps(extra)])
+            logging.getLogger("vllm.some.where").info(extra)  # a dict as the message
+            elsewhere.warning("config %s", json.dumps({"model_loader_extra_config": json.dumps(extra)}))
+            elsewhere.warning("%d layer(s) read; s3_secret_access_key: required for s3:// (%s)", 3, "a hint")
+            try:
+                raise ValueError(f"bad options {extra}")
+            except ValueError:
+                startup.exception("a traceback")
+    finally:
+        elsewhere.removeHandler(handler)
+    printed = caplog.text + out.getvalue()
+    assert len(caplog.records) == 5 and len(out.getvalue().splitlines()) == 2, printed
+    assert KEY_ID not in printed and SECRET not in printed, printed
+    assert "ValueError: bad options {'tensorizer_config': {'s3_access_key_id': '***'" in caplog.text, printed
+    assert printed.count("***") == 6 * 4, printed  # both keys, at both levels of the six records showing them
+    assert "3 layer(s) read; s3_secret_access_key: required for s3:// (a hint)" in out.getvalue()  # prose kept
+
+
+def test_the_redaction_is_installed_once_and_takes_more_keys(monkeypatch):
     import logging
 
-    from tensorizer_manifest import _vllm_compat
+    class LikeVllms:  # vLLM wraps the record factory in its own when it configures its logging
+        def __init__(self, factory):
+            self._factory = factory
 
+        def __call__(self, *args, **kwargs):
+            return self._factory(*args, **kwargs)
+
+    monkeypatch.setattr(logging, "_logRecordFactory", logging.LogRecord)  # restored after the test
     _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))
-    _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))  # once only
-    _vllm_compat.redact_logged_options(frozenset({"other_secret"}))  # joins the same filter
-    logger = logging.getLogger(_vllm_compat.ENGINE_ARGS_LOGGER)
-    assert sum(isinstance(f, _vllm_compat.RedactOptions) for f in logger.filters) == 1
-    with caplog.at_level(logging.INFO, logger=_vllm_compat.ENGINE_ARGS_LOGGER):
-        logger.info("non-default args: %s", {"model_loader_extra_config": {"s3_secret_access_key": "s3cr3t-xyz",
-                                                                          "other_secret": "0th3r"}})  # fmt: skip
-    assert "s3cr3t-xyz" not in caplog.text and "'s3_secret_access_key': '***'" in caplog.text
-    assert "0th3r" not in caplog.text
+    installed = logging.getLogRecordFactory()
+    _vllm_compat.redact_logged_options(frozenset({"s3_secret_access_key"}))
+    assert logging.getLogRecordFactory() is installed  # not wrapped twice
+    logging.setLogRecordFactory(LikeVllms(installed))
+    _vllm_compat.redact_logged_options(frozenset({"other_secret"}))  # found under vLLM's, joins it
+    assert logging.getLogRecordFactory()._factory is installed
+    record = logging.getLogger("x").makeRecord("x", logging.INFO, "f", 1, "%s %d", ({"other_secret": "0th3r"}, 2), None)
+    assert record.getMessage() == "{'other_secret': '***'} 2"
+    plain = logging.getLogger("x").makeRecord("x", logging.INFO, "f", 1, "%d layers", (3,), None)
+    assert plain.args == (3,) and plain.msg == "%d layers"  # a record without credentials is left as it was
 
 
 def test_load_numel_is_vllms_count_of_what_weight_loaders_fill():
