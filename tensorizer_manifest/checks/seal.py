@@ -8,6 +8,7 @@ made with it passes; an encrypted checkpoint's manifest is always sealed with a 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from .._constants import ENCRYPTION_KEY_ENV, SIGNING_KEY_ENV
 from ..errors import (
@@ -15,9 +16,12 @@ from ..errors import (
     IntegrityError,
     TensorizerManifestError,
 )
+from ..format.generation import Generation, generation_seal_hash
 from ..format.schema import (
     EncryptionKey,
     Manifest,
+    Seal,
+    SealMode,
     SigningKey,
     seal_hash,
 )
@@ -64,26 +68,65 @@ def check_seal(
     ``mac``, or without a signing key ``mac-encryption-key``, checked with the
     encryption key.
     """
-    seal = manifest.seal
-    encrypted = manifest.tensor_file.encryption != "none"
+    return _check_sealed(
+        manifest.seal,
+        manifest.tensor_file.encryption != "none",
+        lambda mode: seal_hash(manifest, mode, signing_key, encryption_key),
+        signing_key,
+        encryption_key,
+        "manifest",
+    )
+
+
+def check_generation_seal(
+    generation: Generation,
+    encrypted: bool,
+    signing_key: SigningKey | None,
+    encryption_key: EncryptionKey | None = None,
+) -> tuple[type[TensorizerManifestError], str] | None:
+    """``check_seal``'s rules for a generation document (format version 3): every one is sealed when written, so
+    a missing seal is an edit. ``encrypted``: the checkpoint's tensor files are (its manifests say so)."""
+    if generation.seal is None:
+        return IntegrityError, (
+            "the generation document is not sealed, as every one is when written: it was edited or forged; "
+            "save the checkpoint again"
+        )
+    return _check_sealed(
+        generation.seal,
+        encrypted,
+        lambda mode: generation_seal_hash(generation, mode, signing_key, encryption_key),
+        signing_key,
+        encryption_key,
+        "generation document",
+    )
+
+
+def _check_sealed(
+    seal: Seal | None,
+    encrypted: bool,
+    hash_in: Callable[[SealMode], str],
+    signing_key: SigningKey | None,
+    encryption_key: EncryptionKey | None,
+    what: str,
+) -> tuple[type[TensorizerManifestError], str] | None:
     if encrypted and (seal is None or seal.mode == "digest"):
         return IntegrityError, (
-            "the manifest was modified after it was saved, or forged: it says its tensor file is encrypted but is "
+            f"the {what} was modified after it was saved, or forged: it says its tensor file is encrypted but is "
             "not sealed with a key, as every encrypted checkpoint's manifest is; re-save the checkpoint"
         )
     if seal is not None and seal.mode == "mac-encryption-key":
         if signing_key is not None:
             return IntegrityError, (
-                "a signing key was given but the manifest is sealed with its encryption key (saved without the "
+                f"a signing key was given but the {what} is sealed with its encryption key (saved without the "
                 "signing key): re-save it with the signing key, or load it without one"
             )
         if encryption_key is None:
             return ConfigurationError, (
-                f"the manifest is sealed with its encryption key (mac-encryption-key); {_PASS_THE_ENCRYPTION_KEY}"
+                f"the {what} is sealed with its encryption key (mac-encryption-key); {_PASS_THE_ENCRYPTION_KEY}"
             )
-        if not _same_hash(seal_hash(manifest, seal.mode, encryption_key=encryption_key), seal.hash):
+        if not _same_hash(hash_in(seal.mode), seal.hash):
             return IntegrityError, (
-                "the manifest was modified after it was saved, or the encryption key is not the one it was saved "
+                f"the {what} was modified after it was saved, or the encryption key is not the one it was saved "
                 "with (its seal does not match): use the right key, or re-save the checkpoint"
             )
         return None
@@ -95,20 +138,20 @@ def check_seal(
             "older, or its seal was removed): re-save the checkpoint with the key"
         )
     if seal.mode == "mac" and signing_key is None:
-        return ConfigurationError, f"the manifest is sealed with a signing key (mac); {_PASS_THE_KEY} to check it"
+        return ConfigurationError, f"the {what} is sealed with a signing key (mac); {_PASS_THE_KEY} to check it"
     if seal.mode == "digest" and signing_key is not None:
         return IntegrityError, (
-            "a signing key was given but the manifest's seal is a plain digest, which anyone who edits the "
+            f"a signing key was given but the {what}'s seal is a plain digest, which anyone who edits the "
             "manifest can recompute: it was saved without the key, or edited and re-sealed; re-save it with the key"
         )
-    if not _same_hash(seal_hash(manifest, seal.mode, signing_key), seal.hash):
+    if not _same_hash(hash_in(seal.mode), seal.hash):
         if seal.mode == "mac":
             return IntegrityError, (
-                "the manifest was modified after it was saved, or the signing key is not the one it was saved with "
+                f"the {what} was modified after it was saved, or the signing key is not the one it was saved with "
                 "(its seal does not match): use the right key, or re-save the checkpoint"
             )
         return IntegrityError, (
-            "the manifest was modified after it was saved (its seal does not match its content): re-save the checkpoint"
+            f"the {what} was modified after it was saved (its seal does not match its content): re-save the checkpoint"
         )
     return None
 

@@ -452,6 +452,14 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
+@click.option(
+    "--format-version",
+    type=click.Choice(["2", "3"]),
+    default="2",
+    show_default=True,
+    help="3: immutable generations behind one pointer, committed once for every rank, the model files inside "
+    "(local directories only for now). 2: one manifest per rank.",
+)
 @remote_options
 @encryption_key_option(
     "Encrypt the tensor data with tensorizer's encryption under this key file (else "
@@ -477,6 +485,7 @@ def save(
     allow_unverified: bool,
     fallbacks: bool,
     signing_key_file: Path | None,
+    format_version: str,
     s3_access_key_id: str | None,
     s3_secret_access_key: str | None,
     s3_endpoint: str | None,
@@ -516,6 +525,7 @@ def save(
             s3_endpoint=s3_endpoint,
             encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
             progress=interactive(),
+            format_version=int(format_version),
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -533,7 +543,11 @@ def save(
                 f"  {rank['fallback_layers']} layers in a machine- or kernel-specific form keep a raw fallback "
                 f"({rank['fallback_bytes']:,} bytes; --no-fallbacks leaves it out)"
             )
-    console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    generation = result.ranks[0].get("generation") if result.ranks else None
+    if generation is not None:
+        console().print(f"committed generation {generation}, with {', '.join(result.copied_files) or 'no model files'}")
+    else:
+        console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
     extra = (
         ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"
         if encryption_key_file is not None

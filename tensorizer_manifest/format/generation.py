@@ -87,6 +87,10 @@ class RankRef(_Struct3, kw_only=True):
 
     stem: Annotated[str, msgspec.Meta(pattern=r"^model(-tp\d+-of-\d+)?(-pp\d+-of-\d+)?$")]
     manifest: FileRef
+    tensor_files: list[InsidePath] = []
+    """Where each tensor file the manifest names is (its own and its added forms'): the manifest names them by
+    file name, and a generation that keeps an earlier one's files (an add-form) names them in that one's folder.
+    Their content is bound by the manifest (digest, prefix and head hashes, content hashes)."""
 
 
 class FormSet(_Struct3, kw_only=True):
@@ -148,7 +152,7 @@ class Generation(_Struct3, kw_only=True):
         paths = [m.file.path for m in self.model_files]
         if self.base is not None:
             paths.append(self.base.document.path)
-        paths += [r.manifest.path for s in self.form_sets for r in s.ranks]
+        paths += [path for s in self.form_sets for r in s.ranks for path in (r.manifest.path, *r.tensor_files)]
         paths += [c.archive.path for c in self.compile_forms]
         return paths
 
@@ -231,8 +235,10 @@ def encode_generation(generation: Generation) -> bytes:
     return msgspec.json.format(_encoder.encode(generation), indent=1) + b"\n"
 
 
-def encode_pointer(pointer: Pointer) -> bytes:
-    return msgspec.json.format(_encoder.encode(pointer), indent=1) + b"\n"
+def encode_pointer(pointer: Pointer, compact: bool = False) -> bytes:
+    """Pretty JSON, or ``compact`` (what the first rank broadcasts to the others)."""
+    data = _encoder.encode(pointer)
+    return data if compact else msgspec.json.format(data, indent=1) + b"\n"
 
 
 def pointer_to(generation_id: str, document: bytes) -> Pointer:

@@ -30,6 +30,7 @@ from .._constants import (
 )
 from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from ..storage.checkpoint import encryption_key_from, signing_key_from
+from ..storage.generations import LocalCheckpoint
 from ..storage.options import S3Options, describe_validation_error
 from ..storage.remote import RemoteDir, is_remote, upload_checkpoint
 from .write import copy_model_files
@@ -100,6 +101,14 @@ class SaveOptions(S3Options):
     )
     progress: bool = Field(
         False, description="Draw a progress bar of the write on stderr (when stdout and stderr are terminals)."
+    )
+    format_version: Literal[2, 3] = Field(
+        2,
+        description=(
+            "3: the checkpoint as immutable generations behind one pointer, committed once for every rank, with "
+            "the model files inside (docs/design.md, 'Format version 3'; local directories only in this version; "
+            "read by tensorizer-manifest 0.5 and later). 2: one manifest per rank, read by 0.4 and later."
+        ),
     )
 
     @classmethod
@@ -247,6 +256,11 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     options, else ``~/.s3cfg``, else ``AWS_*`` variables).
     """
     opts = SaveOptions.parse(options)
+    if is_remote(str(out)) and opts.format_version == 3:
+        raise ConfigurationError(
+            f"{out}: format version 3 is written to local directories only in this version; save with "
+            "format_version=2 (the default) to s3://"
+        )
     if is_remote(str(out)):
         remote = opts.remote()
         RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts
@@ -279,11 +293,17 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         ranks = llm.collective_rpc(
-            "save_tensorizer_manifest", args=(str(out_dir), False, key_file, encryption_key_file, opts.progress)
+            "save_tensorizer_manifest",
+            args=(str(out_dir), False, key_file, encryption_key_file, opts.progress),
+            kwargs={"format_version": opts.format_version},
         )
     finally:
         shutdown(llm)
-    copied = copy_model_files(src_dir, out_dir)
+    if opts.format_version == 3:  # the model files are the generation's, copied by its commit
+        current = LocalCheckpoint(out_dir).current()
+        copied = [] if current is None else [model_file.name for model_file in current.model_files]
+    else:
+        copied = copy_model_files(src_dir, out_dir)
     return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
 
 

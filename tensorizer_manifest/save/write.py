@@ -22,7 +22,8 @@ import torch
 
 from .._constants import PRODUCER
 from ..checks.seal import check_seal
-from ..errors import ConcurrentWriteError, ManifestError
+from ..errors import ConcurrentWriteError, ConfigurationError, ManifestError
+from ..format.generation import POINTER_NAME
 from ..format.schema import (
     ENCRYPTION_TENSORIZER,
     MANIFEST_SUFFIX,
@@ -218,6 +219,7 @@ def prepare_checkpoint(
 ) -> PreparedCheckpoint:
     """``write_checkpoint`` up to its commit: the tensor file written and the manifest sealed."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    refuse_a_generations_checkpoint(out_dir)
     started_from = current_generation(out_dir / (stem + MANIFEST_SUFFIX))
     _remove_orphaned_temporaries(out_dir, stem)
     manifest, to_store = build_manifest(capture, "")
@@ -230,6 +232,16 @@ def prepare_checkpoint(
     return PreparedCheckpoint(out_dir, stem, manifest, tensor_name, started_from)
 
 
+def refuse_a_generations_checkpoint(out_dir: Path) -> None:
+    """A manifest of format version 1 or 2 is never written beside a pointer: readers would follow the pointer and
+    never see it (the write would be lost, silently)."""
+    if (out_dir / POINTER_NAME).is_file():
+        raise ConfigurationError(
+            f"{out_dir}: a checkpoint of format version 3 (it has {POINTER_NAME}); a write of format version 2 "
+            "would not be seen by its readers: write it with format_version=3 (--format-version 3), or elsewhere"
+        )
+
+
 def write_added_form(
     capture: Capture,
     checkpoint_dir: Path,
@@ -237,6 +249,7 @@ def write_added_form(
     base: Manifest,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
+    into: Path | None = None,
 ) -> Manifest:
     """Add the processed form of ``capture``'s layers (this engine's, made from their raw fallbacks) to the
     checkpoint in ``checkpoint_dir``: a tensor file of its own, then the manifest with the form appended to
@@ -249,23 +262,29 @@ def write_added_form(
     Crash-safe as ``write_checkpoint`` is: until the rename, the directory holds the checkpoint as it was
     (an unreferenced new tensor file at worst), and a loader that read the old manifest still finds every
     file it names. Returns the new manifest.
+
+    ``into``: a new generation's folder (format version 3): the form's tensor file and the new manifest are written
+    there, and the pointer's swap is the compare (``publish.commit``).
     """
+    if into is None:
+        refuse_a_generations_checkpoint(checkpoint_dir)
     sealed = check_seal(base, signing_key, encryption_key)
     if sealed is not None:
         kind, message = sealed
         raise kind(f"{checkpoint_dir / (stem + MANIFEST_SUFFIX)}: not adding a form to it: {message}")
-    started_from = manifest_generation(base)
+    started_from = manifest_generation(base) if into is None else None
+    target = checkpoint_dir if into is None else into
     manifest = msgspec.structs.replace(base, added_forms=list(base.added_forms))
-    _remove_orphaned_temporaries(checkpoint_dir, stem)
+    _remove_orphaned_temporaries(target, stem)
     form, to_store = build_manifest(capture, "")
-    _write_tensors(checkpoint_dir, stem, form.tensor_file, to_store, encryption_key)
+    _write_tensors(target, stem, form.tensor_file, to_store, encryption_key)
     covered = form_base(base, (layer.path for layer in form.modules))
     manifest.added_forms.append(
         AddedForm(fingerprint=capture.fingerprint, tensor_file=form.tensor_file, modules=form.modules, base=covered)
     )
     manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
-    commit_manifest(checkpoint_dir, stem, manifest, started_from)
+    commit_manifest(target, stem, manifest, started_from)
     return manifest
 
 

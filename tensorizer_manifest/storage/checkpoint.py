@@ -24,6 +24,17 @@ from ..errors import (
     RemoteNotFoundError,
     TensorizerManifestError,
 )
+from ..format.generation import (
+    GENERATION_DOCUMENT,
+    GENERATIONS_DIR,
+    POINTER_NAME,
+    Generation,
+    Pointer,
+    RankRef,
+    decode_generation,
+    decode_pointer,
+    is_generation_id,
+)
 from ..format.schema import (
     MANIFEST_SUFFIX,
     TENSORS_SUFFIX,
@@ -31,6 +42,7 @@ from ..format.schema import (
     Manifest,
     SigningKey,
     TensorFileRef,
+    blake3_hex,
     decode_manifest,
 )
 from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
@@ -281,9 +293,26 @@ def file_size(path: FileLocation) -> int:
 
 
 def load_manifest(
-    path: str | Path | RemoteFile | RemoteDir, stem: str | None = None, remote: RemoteOptions | None = None
+    path: str | Path | RemoteFile | RemoteDir,
+    stem: str | None = None,
+    remote: RemoteOptions | None = None,
+    generation: Generation | None = None,
 ) -> tuple[Manifest, FileLocation]:
-    """The manifest of a checkpoint directory, URI or manifest file, and the file it was read from."""
+    """The manifest of a checkpoint directory, URI or manifest file, and the file it was read from.
+
+    A checkpoint of format version 3 gives the rank's manifest of ``generation`` (by default the current one,
+    through the pointer), its bytes checked against the generation's record of them."""
+    root = checkpoint_root(path, remote)
+    if root is None and not is_remote(path) and str(path).endswith(MANIFEST_SUFFIX):
+        if (Path(path).parent / POINTER_NAME).is_file():  # a rank's old name, a stub: the current generation's
+            root, stem = Path(path).parent, Path(path).name.removesuffix(MANIFEST_SUFFIX)
+    if generation is None and root is not None:
+        found = load_generation(root)
+        generation = found[0] if found is not None else None
+    if generation is not None:
+        if root is None:
+            raise ConfigurationError(f"{path}: give the checkpoint's directory, not one of its files")
+        return _load_rank_manifest(root, generation, stem)
     manifest_path = find_manifest(path, stem, remote)
     if isinstance(manifest_path, RemoteFile):
         size = manifest_path.size()
@@ -295,6 +324,121 @@ def load_manifest(
     if size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{manifest_path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit")
     return decode_manifest(manifest_path.read_bytes(), source=str(manifest_path)), manifest_path
+
+
+# --- format version 3: the pointer, the generation, a rank's manifest in it -------------------------------
+
+#: Pointers and generation documents larger than this are refused before parsing (they name files, not tensors).
+MAX_GENERATION_BYTES = 64 << 20
+
+
+def checkpoint_root(path: str | Path | RemoteFile | RemoteDir, remote: RemoteOptions | None) -> Path | RemoteDir | None:
+    """The checkpoint directory or prefix ``path`` names; None where it names a file."""
+    if is_remote(path):
+        location = as_remote(path, remote)  # type: ignore[arg-type]
+        return location if isinstance(location, RemoteDir) else None
+    return Path(path) if Path(path).is_dir() else None
+
+
+def _read_bounded(location: FileLocation, what: str) -> bytes | None:
+    """A small file's bytes (None: there is none), refused when over ``MAX_GENERATION_BYTES``."""
+    if isinstance(location, RemoteFile):
+        if not location.exists():
+            return None
+        return location.read_bytes(MAX_GENERATION_BYTES)
+    try:
+        size = location.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size > MAX_GENERATION_BYTES:
+        raise ManifestError(f"{location}: the {what} is {size} bytes, over the {MAX_GENERATION_BYTES} byte limit")
+    return location.read_bytes()
+
+
+def read_pointer(root: Path | RemoteDir) -> Pointer | None:
+    """The pointer of a checkpoint of format version 3; None where there is none (versions 1 and 2)."""
+    location = root / POINTER_NAME
+    data = _read_bounded(location, "pointer")
+    return None if data is None else decode_pointer(data, str(location))
+
+
+def load_generation(root: Path | RemoteDir, pointer: Pointer | None = None) -> tuple[Generation, Pointer] | None:
+    """The generation ``pointer`` names (by default the current one), its document's bytes checked against the
+    pointer's hash; None for a checkpoint without a pointer. One that is gone is a ``CheckpointNotFoundError``
+    naming it (a newer save was committed and this one removed after its grace period)."""
+    pointer = pointer or read_pointer(root)
+    if pointer is None:
+        return None
+    location = root / pointer.document
+    data = _read_bounded(location, "generation document")
+    if data is None:
+        kind = RemoteNotFoundError if isinstance(location, RemoteFile) else CheckpointNotFoundError
+        raise kind(
+            f"{root}: generation {pointer.generation} is gone (a newer save was committed and this one removed "
+            "after its grace period); start again to read the current one"
+        )
+    if blake3_hex(data) != pointer.hash:
+        raise IntegrityError(
+            f"{location}: its bytes are not the ones the pointer names (damaged, or replaced by hand): restore it, "
+            "or save the checkpoint again"
+        )
+    generation = decode_generation(data, str(location))
+    if generation.id != pointer.generation:
+        raise IntegrityError(
+            f"{location}: it says it is generation {generation.id}, the pointer names {pointer.generation}"
+        )
+    return generation, pointer
+
+
+def rank_of(generation: Generation, stem: str | None, where: object) -> RankRef:
+    """A rank's entry in the generation's form sets (``stem`` None: the first rank of the first set). A rank the
+    generation has no manifest for is a ``CompatibilityError`` naming the layouts it holds."""
+    ranks = [rank for form_set in generation.form_sets for rank in form_set.ranks]
+    for rank in ranks:
+        if stem is None or rank.stem == stem:
+            return rank
+    mismatch = layout_mismatch(where, stem or "model", [rank.stem + MANIFEST_SUFFIX for rank in ranks])
+    if mismatch is not None:
+        raise mismatch
+    raise CheckpointNotFoundError(f"{where}: generation {generation.id} has no manifest for {stem}")
+
+
+def _load_rank_manifest(
+    root: Path | RemoteDir, generation: Generation, stem: str | None
+) -> tuple[Manifest, FileLocation]:
+    rank = rank_of(generation, stem, root)
+    location = root / rank.manifest.path
+    data = _read_bounded(location, "manifest")
+    if data is None:
+        kind = RemoteNotFoundError if isinstance(location, RemoteFile) else CheckpointNotFoundError
+        raise kind(f"{location}: the manifest generation {generation.id} names is missing; save the checkpoint again")
+    if blake3_hex(data) != rank.manifest.hash:
+        raise IntegrityError(
+            f"{location}: its bytes are not the ones generation {generation.id} names (damaged, or replaced by "
+            "hand); save the checkpoint again"
+        )
+    return decode_manifest(data, source=str(location)), location
+
+
+def _placed_in_generation(manifest_path: FileLocation, name: str) -> FileLocation | None:
+    """Where a generation keeps a tensor file its rank manifest names that is not beside it (an add-form's
+    manifest names the save's tensor files, in the save's folder): read from the generation's document."""
+    *root_parts, generations, folder, _ = str(manifest_path).split("/")
+    if generations != GENERATIONS_DIR or not is_generation_id(folder) or not root_parts:
+        return None
+    root_text = "/".join(root_parts)
+    root = RemoteDir(root_text, manifest_path.options) if isinstance(manifest_path, RemoteFile) else Path(root_text)
+    document = root / f"{GENERATIONS_DIR}/{folder}/{GENERATION_DOCUMENT}"
+    data = _read_bounded(document, "generation document")
+    if data is None:
+        return None
+    generation = decode_generation(data, str(document))
+    for rank in (rank for form_set in generation.form_sets for rank in form_set.ranks):
+        if str(root / rank.manifest.path) == str(manifest_path):
+            for path in rank.tensor_files:
+                if path.rpartition("/")[2] == name:
+                    return root / path
+    return None
 
 
 def check_one_save(
@@ -349,7 +493,10 @@ def resolve_tensor_file(
         try:
             remote_path.size()
         except RemoteNotFoundError:
-            raise RemoteNotFoundError(f"{remote_path}: the tensor file named by the manifest is missing") from None
+            placed = _placed_in_generation(manifest_path, name)
+            if placed is None:
+                raise RemoteNotFoundError(f"{remote_path}: the tensor file named by the manifest is missing") from None
+            return placed
         return remote_path
     try:
         directory = manifest_path.parent.resolve()
@@ -357,7 +504,10 @@ def resolve_tensor_file(
         if path.is_symlink() and path.resolve().parent != directory:
             raise ManifestError(f"{manifest_path}: tensor file {name!r} is a link out of the checkpoint directory")
         if not path.is_file():
-            raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
+            placed = _placed_in_generation(manifest_path, name)
+            if placed is None or not placed.is_file():
+                raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
+            return placed
     except TensorizerManifestError:
         raise
     except OSError as exc:  # e.g. a name longer than the file system allows

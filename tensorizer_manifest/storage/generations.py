@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import _failpoints
 from ..errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError
 from ..format.generation import (
     GENERATIONS_DIR,
@@ -133,6 +134,7 @@ class LocalCheckpoint:
         document = encode_generation(generation)
         self.put(generation_document_path(generation.id), document)
         pointer = pointer_to(generation.id, document)
+        _failpoints.pause("before-commit", generation.id)
         with self.lock():
             now = self.current_generation_id()
             if now != generation.parent:

@@ -17,27 +17,33 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .. import _vllm_compat
+from .. import _failpoints, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT, SPILL_DIR_ENV
 from ..checks.fingerprint import check_compatible, engine_fingerprint
+from ..checks.generation_files import check_generation
 from ..checks.seal import unsealed_warning
 from ..checks.validate import open_checked_forms
 from ..errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
+from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
 from ..format.schema import MANIFEST_SUFFIX
 from ..load import replay
 from ..load.forms import choose_forms
 from ..load.restore import check_model, restore_tensors
 from ..progress import terminal_progress
+from ..save import publish
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, Recorder
-from ..save.write import copy_model_files, prepare_checkpoint, write_added_form
+from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
 from ..storage.checkpoint import (
     check_named_tensor_file,
     check_one_save,
     checkpoint_location,
+    checkpoint_root,
     checkpoint_stem,
     encryption_key_from,
+    load_generation,
     load_manifest,
     no_manifest_error,
+    read_pointer,
     signing_key_from,
 )
 from ..storage.options import (
@@ -51,6 +57,7 @@ from ..storage.remote import CREDENTIAL_OPTIONS
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
 _ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
+_GENERATION_ATTR = "_tensorizer_manifest_generation"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
 logger = logging.getLogger("vllm.tensorizer_manifest")
@@ -235,6 +242,37 @@ def overlap_policy(overlap_steps: bool | None, device: torch.device) -> dict[str
     return {"raw_steps": device.type != "cpu", "restorers": True}
 
 
+#: Room for a pointer's compact encoding in the first rank's broadcast (about 200 bytes).
+_POINTER_BYTES = 1024
+_NO_POINTER, _NO_READ = b"-", b"!"
+
+
+def agreed_generation(checkpoint: str, options: LoadOptions) -> Generation | None:
+    """The generation every rank of this engine reads: the first rank reads the pointer and broadcasts it
+    (``_vllm_compat.first_rank_bytes``), so a save committed while the ranks start is read by all or by none.
+    None: the checkpoint has no pointer (format version 1 or 2). Every rank must call it."""
+    root = checkpoint_root(checkpoint, options.remote())
+    payload, failure = _NO_POINTER, None
+    if _first_rank() and root is not None:
+        try:
+            pointer = read_pointer(root)
+            payload = _NO_POINTER if pointer is None else encode_pointer(pointer, compact=True)
+        except TensorizerManifestError as exc:
+            payload, failure = _NO_READ, exc
+    agreed = _vllm_compat.first_rank_bytes(payload, _POINTER_BYTES).rstrip(b"\0")
+    if failure is not None:
+        raise failure
+    if agreed == _NO_READ:
+        raise TensorizerManifestError(
+            f"{checkpoint}: the first rank of this engine could not read the checkpoint's pointer (its error is "
+            "raised beside this one); nothing was loaded"
+        )
+    if agreed == _NO_POINTER or root is None:
+        return None
+    found = load_generation(root, decode_pointer(agreed, f"{checkpoint} (the first rank's pointer)"))
+    return None if found is None else found[0]
+
+
 class ManifestModelLoader(BaseModelLoader):
     """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
 
@@ -252,8 +290,10 @@ class ManifestModelLoader(BaseModelLoader):
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
         stem = rank_stem(vllm_config)
+        generation = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
+        _failpoints.pause("after-agreement", stem)
         try:
-            manifest, manifest_path = load_manifest(checkpoint, stem, remote=options.remote())
+            manifest, manifest_path = load_manifest(checkpoint, stem, remote=options.remote(), generation=generation)
         except NoManifestError as exc:
             source = model_config.model if str(model_config.model).rstrip("/") != checkpoint.rstrip("/") else None
             raise no_manifest_error(
@@ -261,7 +301,10 @@ class ManifestModelLoader(BaseModelLoader):
             ) from None
         if named_file is not None and stem == checkpoint_stem():
             check_named_tensor_file(manifest, manifest_path, named_file)
-        check_one_save(manifest, stem, checkpoint, options.remote())
+        if generation is None:
+            check_one_save(manifest, stem, checkpoint, options.remote())
+        else:
+            check_generation(generation, manifest, signing_key, encryption_key, model_config.model)
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
@@ -282,7 +325,9 @@ class ManifestModelLoader(BaseModelLoader):
                 vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
             )
         summary["encrypted"] = encryption_key is not None
+        summary["generation"] = None if generation is None else generation.id
         setattr(model, _REPORT_ATTR, summary)
+        setattr(model, _GENERATION_ATTR, generation)
         _log_load(manifest_path, summary)
         return model.eval()
 
@@ -415,9 +460,11 @@ def apply_cpu_gemm_from_env() -> None:
 def register() -> None:
     """``vllm.general_plugins`` entry point: register both load formats in this process.
 
-    It also keeps vLLM from logging S3 credentials given in ``model_loader_extra_config`` (vLLM logs its
-    engine arguments, that dict included, after loading plugins), and records each layer's attributes before
-    vLLM's post-load step in any engine (a few dicts), so that one the default loader loaded can save itself.
+    It also keeps every log record of the process from showing S3 credentials given in
+    ``model_loader_extra_config`` (vLLM logs its engine arguments, that dict included, after loading plugins;
+    the redaction is in the log record factory, so no logger or handler escapes it), and records each layer's
+    attributes before vLLM's post-load step in any engine (a few dicts), so that one the default loader loaded
+    can save itself.
     """
     _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
     apply_cpu_gemm_from_env()
@@ -426,6 +473,21 @@ def register() -> None:
     from ..save.rebuild import remember_pre_step_attributes
 
     _vllm_compat.before_every_post_load_step(remember_pre_step_attributes)  # so any engine can save itself
+
+
+def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
+    """What ``save_tensorizer_manifest`` returns for a rank."""
+    return {
+        "manifest": str(Path(output_dir) / (stem + MANIFEST_SUFFIX)),
+        "tensor_file": manifest.tensor_file.path,
+        "bytes": manifest.tensor_file.size,
+        "layers": len(manifest.modules),
+        "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
+        "fallback_layers": sum(1 for m in manifest.modules if m.fallback),
+        "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
+        "seal": manifest.seal.mode if manifest.seal is not None else None,
+        "encryption": manifest.tensor_file.encryption,
+    }
 
 
 class ManifestWorkerExtension:
@@ -445,8 +507,12 @@ class ManifestWorkerExtension:
         portable: bool = False,
         allow_unverified: bool = False,
         fallbacks: bool = True,
+        format_version: int = 2,
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
+
+        ``format_version=3``: as a new generation of the checkpoint (``save.publish``): every rank writes into
+        the generation's folder, and the first rank commits the pointer once for all (``docs/design.md``).
 
         An engine vLLM's default loader loaded (no ``tensorizer_manifest_capture``) is saved too: each
         layer's state before vLLM's post-load step is rebuilt from the engine's source weights, one layer at a
@@ -469,6 +535,13 @@ class ManifestWorkerExtension:
         commits; a rank that failed votes no, and every rank's checkpoint stays as it was. A rank that fails in
         its own commit, after the vote, leaves ranks of two saves, which every loader refuses (the save id).
         """
+        if format_version not in (2, 3):
+            raise ConfigurationError(f"format_version must be 2 or 3, not {format_version!r}")
+        if format_version == 3:
+            return self._tm_publish(
+                output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
+                fallbacks,
+            )  # fmt: skip
         save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
         model = self._tm_model()
         capture = getattr(model, _CAPTURE_ATTR, None)
@@ -510,16 +583,76 @@ class ManifestWorkerExtension:
                 if getattr(model, _CAPTURE_ATTR, None) is capture:
                     delattr(model, _CAPTURE_ATTR)
                 capture.close()
+        return _save_summary(manifest, output_dir, capture.stem)
+
+    def _tm_publish(
+        self, output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
+        fallbacks,
+    ) -> dict:  # fmt: skip
+        """``save_tensorizer_manifest`` as a generation: each rank writes its files into the new generation's folder,
+        all vote, and only if every rank succeeded does the first rank commit the pointer (all ranks or none); a
+        second vote tells every rank whether that commit happened."""
+        generation_id = _vllm_compat.shared_generation_id()  # first: every rank is here, none has failed yet
+        model = self._tm_model()
+        capture = getattr(model, _CAPTURE_ATTR, None)
+        written = None
+        committed = None
+        try:
+            try:
+                signing_key = signing_key_from(signing_key_file)
+                encryption_key = encryption_key_from(encryption_key_file)
+                publication = publish.begin(Path(output_dir), generation_id)
+                if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
+                    capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
+                    keep_capture = False
+                with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
+                    written = write_checkpoint(
+                        capture,
+                        publication.folder,
+                        capture.stem,
+                        signing_key,
+                        release=not keep_capture,
+                        encryption_key=encryption_key,
+                        progress=on_progress,
+                        save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                    )
+            finally:
+                all_written = _vllm_compat.every_rank_succeeded(written is not None)  # every rank votes
+            if not all_written:
+                raise TensorizerManifestError(
+                    f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
+                    "raised beside this one); nothing was committed, and the checkpoint is as it was"
+                )
+            try:
+                if _first_rank():
+                    parallel = self.vllm_config.parallel_config
+                    layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
+                    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
+                    source = Path(str(self.vllm_config.model_config.model))
+                    committed = publish.commit(
+                        publication,
+                        made_by="save",
+                        form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
+                        model_files=publish.copy_model_files(publication, source),
+                        signing_key=signing_key,
+                        encryption_key=encryption_key,
+                    )
+            finally:
+                first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not _first_rank())
+            if not first_committed and not _first_rank():
+                raise TensorizerManifestError(
+                    f"{output_dir}: the first rank of this engine could not commit the save (its error is raised "
+                    "there); nothing was committed, and the checkpoint is as it was"
+                )
+        finally:
+            if capture is not None and not keep_capture:
+                if getattr(model, _CAPTURE_ATTR, None) is capture:
+                    delattr(model, _CAPTURE_ATTR)
+                capture.close()
         return {
-            "manifest": str(Path(output_dir) / (capture.stem + MANIFEST_SUFFIX)),
-            "tensor_file": manifest.tensor_file.path,
-            "bytes": manifest.tensor_file.size,
-            "layers": len(manifest.modules),
-            "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
-            "fallback_layers": sum(1 for m in manifest.modules if m.fallback),
-            "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
-            "seal": manifest.seal.mode if manifest.seal is not None else None,
-            "encryption": manifest.tensor_file.encryption,
+            **_save_summary(written, output_dir, capture.stem),
+            "generation": generation_id,
+            "manifest": str(publication.folder / (capture.stem + MANIFEST_SUFFIX)),
         }
 
     def _tm_rebuilt_capture(
@@ -559,13 +692,66 @@ class ManifestWorkerExtension:
             )
         capture, not_added, loaded = observed
         result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
-        if capture.layers:
+        generation = getattr(model, _GENERATION_ATTR, None)
+        if generation is not None:
+            published = self._tm_publish_form(checkpoint_dir, generation, capture, loaded, signing_key, encryption_key)
+            result.update(published)
+        elif capture.layers:
             manifest = write_added_form(
                 capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key
             )
             result["tensor_file"] = manifest.added_forms[-1].tensor_file.path
             result["bytes"] = manifest.added_forms[-1].tensor_file.size
         delattr(model, _ADDED_FORM_ATTR)
+        return result
+
+    def _tm_publish_form(self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key) -> dict:
+        """``add_tensorizer_manifest_form`` on a checkpoint of format version 3: a new generation over the one this
+        engine loaded, in which the ranks that added a form have a new manifest (naming the save's tensor files
+        where the save keeps them) and the others keep theirs; committed once by the first rank, only if the
+        generation loaded is still the current one (``ConcurrentWriteError`` otherwise)."""
+        generation_id = _vllm_compat.shared_generation_id()
+        publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id, read_parent=False)
+        written = None
+        try:
+            if capture.layers:
+                written = write_added_form(
+                    capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key,
+                    into=publication.folder,
+                )  # fmt: skip
+        finally:
+            all_written = _vllm_compat.every_rank_succeeded(written is not None or not capture.layers)
+        if not all_written:
+            raise TensorizerManifestError(
+                f"{checkpoint_dir}: another rank failed to write its part of the form (its error is raised beside "
+                "this one); nothing was committed"
+            )
+        nothing_added = _vllm_compat.every_rank_succeeded(not capture.layers)
+        result: dict = {"generation": None}
+        if written is not None:
+            form_file = written.added_forms[-1].tensor_file
+            result.update(tensor_file=form_file.path, bytes=form_file.size)
+        if nothing_added:
+            return result
+        committed = None
+        try:
+            if _first_rank():
+                committed = publish.commit(
+                    publication,
+                    made_by="add-form",
+                    form_sets=publish.with_new_manifests(publication, generation),
+                    model_files=generation.model_files,
+                    signing_key=signing_key,
+                    encryption_key=encryption_key,
+                )
+        finally:
+            first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not _first_rank())
+        if not first_committed and not _first_rank():
+            raise TensorizerManifestError(
+                f"{checkpoint_dir}: the first rank of this engine could not commit the form (its error is raised "
+                "there); nothing was committed"
+            )
+        result["generation"] = generation_id
         return result
 
     def tensorizer_manifest_report(self) -> dict | None:

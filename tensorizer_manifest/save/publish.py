@@ -1,0 +1,187 @@
+"""A write published as a generation (format version 3): every rank writes into the new generation's folder, then
+the first rank records the folder's files in a generation document and swaps the pointer, once, for all ranks.
+
+``design.md``, "Format version 3". Nothing is written outside ``generations/<id>/`` until the commit; after it
+the top-level copies vLLM's ``model`` path reads are refreshed from the generation (``refresh_top_level``), and
+old generations past their grace period go (``gc``, best effort).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._constants import PRODUCER
+from ..errors import CheckpointNotFoundError, TensorizerManifestError
+from ..format.generation import (
+    GENERATIONS_FORMAT_VERSION,
+    POINTER_NAME,
+    FileRef,
+    FormSet,
+    Generation,
+    Layout,
+    MadeBy,
+    ModelFile,
+    RankRef,
+    generation_dir,
+    seal_generation,
+)
+from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
+from ..storage.checkpoint import checkpoint_stem
+from ..storage.files import replace_atomically
+from ..storage.generations import LocalCheckpoint
+from ..storage.remote import is_model_file
+
+logger = logging.getLogger(__name__)
+
+#: What a reader of format version 1 or 2 finds at a rank's old manifest name: "version 3, upgrade" (constant
+#: bytes, so writing it again changes nothing), never the manifest of an older save.
+STUB = b'{"format_version": 3, "pointer": "' + POINTER_NAME.encode() + b'"}\n'
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Where one write of a checkpoint goes: its generation's id and folder, and the generation it replaces."""
+
+    root: Path
+    generation_id: str
+    parent: str | None
+
+    @property
+    def folder(self) -> Path:
+        return self.root / generation_dir(self.generation_id)
+
+    def relative(self, name: str) -> str:
+        return f"{generation_dir(self.generation_id)}/{name}"
+
+
+def begin(root: Path, generation_id: str, parent: str | None = None, read_parent: bool = True) -> Publication:
+    """A write of ``root`` as generation ``generation_id``, over the generation that is current now (``parent``
+    when the caller read it already, as an add-form does: the generation its engine loaded)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if read_parent:
+        parent = LocalCheckpoint(root).current_generation_id()
+    publication = Publication(root=root, generation_id=generation_id, parent=parent)
+    publication.folder.mkdir(parents=True, exist_ok=True)
+    return publication
+
+
+def layout_stems(layout: Layout) -> list[str]:
+    """Every rank's stem of a layout, pipeline stage by stage."""
+    return [checkpoint_stem(tp, layout.tp, pp, layout.pp) for pp in range(layout.pp) for tp in range(layout.tp)]
+
+
+def rank_entry(publication: Publication, stem: str, keeps: dict[str, str] | None = None) -> RankRef:
+    """A rank's manifest in the publication's folder, by its bytes, and where each tensor file it names is: in the
+    folder, or (``keeps``: name -> path) where an earlier generation keeps it. A rank whose manifest is not there is
+    a typed error (a rank on another node writing to its own disk: a sharded save needs a shared file system)."""
+    path = publication.folder / f"{stem}.manifest.json"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{path}: rank {stem}'s manifest is not in the generation's folder; every rank of a sharded save must "
+            "write to one file system (save to s3://, or to a directory every node mounts)"
+        ) from None
+    manifest = decode_manifest(data, str(path))
+    keeps = keeps or {}
+    places = []
+    for name in manifest.tensor_file_names():
+        if (publication.folder / name).is_file():
+            places.append(publication.relative(name))
+        elif name in keeps:
+            places.append(keeps[name])
+        else:
+            raise CheckpointNotFoundError(f"{path}: names tensor file {name}, which this write did not produce")
+    return RankRef(
+        stem=stem,
+        manifest=FileRef(path=publication.relative(path.name), size=len(data), hash=blake3_hex(data)),
+        tensor_files=places,
+    )
+
+
+def copy_model_files(publication: Publication, source: Path) -> list[ModelFile]:
+    """The source's config, tokenizer and generation files, copied into the generation's folder (never
+    downloaded), with their hashes: what vLLM reads from its ``model`` directory belongs to the generation."""
+    store = LocalCheckpoint(publication.root)
+    files = []
+    for path in sorted(source.iterdir()) if source.is_dir() else []:
+        if not path.is_file() or not is_model_file(path.name) or path.name == POINTER_NAME:
+            continue
+        ref = store.put(publication.relative(path.name), path.read_bytes())
+        files.append(ModelFile(name=path.name, file=ref))
+    return files
+
+
+def commit(
+    publication: Publication,
+    *,
+    made_by: MadeBy,
+    form_sets: list[FormSet],
+    model_files: list[ModelFile],
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+) -> Generation:
+    """Seal and commit the generation; ``ConcurrentWriteError`` when another writer committed since ``begin``.
+    Then the top level is refreshed and old generations are collected (neither can fail the write)."""
+    generation = Generation(
+        format_version=GENERATIONS_FORMAT_VERSION,
+        id=publication.generation_id,
+        parent=publication.parent,
+        producer=PRODUCER,
+        made_by=made_by,
+        model_files=model_files,
+        form_sets=form_sets,
+    )
+    generation = seal_generation(generation, signing_key, encryption_key)
+    store = LocalCheckpoint(publication.root)
+    store.commit(generation)
+    try:
+        refresh_top_level(publication.root)
+        store.gc(store.plan_gc())
+    except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
+        logger.warning("%s: committed; tidying up after it failed (%s)", publication.root, exc)
+    return generation
+
+
+def form_set(layout: Layout, fingerprint: Fingerprint, ranks: list[RankRef]) -> FormSet:
+    return FormSet(layout=layout, fingerprint=fingerprint, ranks=ranks)
+
+
+def with_new_manifests(publication: Publication, parent: Generation) -> list[FormSet]:
+    """``parent``'s form sets, where each rank that wrote a new manifest into the publication's folder (an add-form)
+    names it, and the tensor files it keeps from ``parent`` where ``parent`` has them; the other ranks unchanged."""
+    form_sets = []
+    for old in parent.form_sets:
+        ranks = []
+        for rank in old.ranks:
+            if (publication.folder / f"{rank.stem}.manifest.json").is_file():
+                keeps = {path.rpartition("/")[2]: path for path in rank.tensor_files}
+                ranks.append(rank_entry(publication, rank.stem, keeps))
+            else:
+                ranks.append(rank)
+        form_sets.append(FormSet(layout=old.layout, fingerprint=old.fingerprint, ranks=ranks))
+    return form_sets
+
+
+def refresh_top_level(root: Path, rounds: int = 8) -> None:
+    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's, and leave a stub at
+    each rank's old manifest name; again while another writer moves the pointer meanwhile (the last writer leaves
+    them matching). Loads check these copies against the generation, so a stale one is refused, never used."""
+    store = LocalCheckpoint(root)
+    for _ in range(rounds):
+        generation = store.current()
+        if generation is None:
+            return
+        for model_file in generation.model_files:
+            data = (root / model_file.file.path).read_bytes()
+            target = root / model_file.name
+            if not target.is_file() or target.read_bytes() != data:
+                replace_atomically(target, data)
+        for stem in {rank.stem for form_set in generation.form_sets for rank in form_set.ranks}:
+            stub = root / f"{stem}.manifest.json"
+            if not stub.is_file() or stub.read_bytes() != STUB:
+                replace_atomically(stub, STUB)
+        if store.current_generation_id() == generation.id:
+            return

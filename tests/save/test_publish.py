@@ -1,0 +1,121 @@
+"""A write published as a generation, without vLLM: the synthetic checkpoint's rank written into a generation's
+folder, committed once; readers follow the pointer, a stub answers old readers, an add-form's generation keeps
+the save's tensor file where it is, and a write of format version 2 into such a checkpoint is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.synthetic import experts_form_capture, make_capture
+
+from tensorizer_manifest.checks.validate import validate_checkpoint
+from tensorizer_manifest.errors import ConcurrentWriteError, ConfigurationError, ManifestVersionError
+from tensorizer_manifest.format import generation as g
+from tensorizer_manifest.format.schema import decode_manifest
+from tensorizer_manifest.save import publish
+from tensorizer_manifest.save.write import write_added_form, write_checkpoint
+from tensorizer_manifest.storage.checkpoint import load_manifest, read_manifest
+from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+
+def _save(root, source, seed=0, fallbacks=True):
+    publication = publish.begin(root, g.new_generation_id())
+    manifest = write_checkpoint(make_capture(seed, fallbacks=fallbacks), publication.folder, "model")
+    layout = g.Layout()
+    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
+    return publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(layout, manifest.fingerprint, ranks)],
+        model_files=publish.copy_model_files(publication, source),
+    )
+
+
+@pytest.fixture
+def source(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    (source / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    (source / "model.safetensors").write_bytes(b"weights are not model files")
+    return source
+
+
+def test_a_save_is_one_generation_and_readers_follow_the_pointer(tmp_path, source):
+    root = tmp_path / "ckpt"
+    generation = _save(root, source)
+    assert {p.name for p in root.iterdir()} == {
+        "tensorizer-manifest.json", ".tensorizer-manifest.json.lock", "generations", "config.json",
+        "tokenizer.json", "model.manifest.json",
+    }  # fmt: skip
+    assert [m.name for m in generation.model_files] == ["config.json", "tokenizer.json"]
+    assert (root / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    manifest, path = load_manifest(root)
+    assert path == root / generation.form_sets[0].ranks[0].manifest.path
+    assert read_manifest(root / "model.manifest.json") == manifest  # the stub's name reads the current one
+    with pytest.raises(ManifestVersionError, match="format version 3 is newer"):
+        decode_manifest((root / "model.manifest.json").read_bytes())  # what a 0.4 reader sees: "upgrade"
+    assert json.loads((root / "model.manifest.json").read_text())["pointer"] == g.POINTER_NAME
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+
+
+def test_a_re_save_is_a_new_generation_and_the_old_one_stays_for_readers(tmp_path, source):
+    root = tmp_path / "ckpt"
+    first = _save(root, source, seed=0)
+    old_manifest, old_path = load_manifest(root)
+    second = _save(root, source, seed=1)
+    assert second.parent == first.id
+    assert load_manifest(root)[0].tensor_file.digest != old_manifest.tensor_file.digest
+    assert load_manifest(root, generation=first) == (old_manifest, old_path)  # within the grace period
+
+
+def test_a_writer_that_started_before_another_s_commit_commits_nothing(tmp_path, source):
+    root = tmp_path / "ckpt"
+    _save(root, source)
+    slow = publish.begin(root, g.new_generation_id())
+    _save(root, source, seed=1)
+    write_checkpoint(make_capture(2), slow.folder, "model")
+    with pytest.raises(ConcurrentWriteError):
+        publish.commit(
+            slow, made_by="save", form_sets=[publish.form_set(g.Layout(), make_capture().fingerprint,
+            [publish.rank_entry(slow, "model")])], model_files=[],
+        )  # fmt: skip
+    assert LocalCheckpoint(root).current_generation_id() != slow.generation_id
+
+
+def test_an_added_form_keeps_the_save_s_tensor_file_in_its_folder(tmp_path, source):
+    root = tmp_path / "ckpt"
+    saved = _save(root, source)
+    loaded, _ = load_manifest(root)
+    publication = publish.begin(root, g.new_generation_id(), parent=saved.id, read_parent=False)
+    write_added_form(experts_form_capture(), root, "model", loaded, into=publication.folder)
+    added = publish.commit(
+        publication,
+        made_by="add-form",
+        form_sets=publish.with_new_manifests(publication, saved),
+        model_files=saved.model_files,
+    )
+    (rank,) = added.form_sets[0].ranks
+    assert rank.tensor_files[0] == saved.form_sets[0].ranks[0].tensor_files[0]  # the save's, where it is
+    assert rank.tensor_files[1].startswith(g.generation_dir(added.id))  # the form's, new
+    manifest, _ = load_manifest(root)
+    assert len(manifest.added_forms) == 1
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+
+
+def test_a_format_2_write_into_a_generations_checkpoint_is_refused(tmp_path, source):
+    root = tmp_path / "ckpt"
+    _save(root, source)
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(ConfigurationError, match="format version 3"):
+        write_checkpoint(make_capture(3), root, "model")
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_a_sharded_rank_whose_manifest_is_not_there_is_named(tmp_path, source):
+    publication = publish.begin(tmp_path / "ckpt", g.new_generation_id())
+    with pytest.raises(Exception, match="model-tp1-of-2's manifest is not in the generation's folder"):
+        publish.rank_entry(publication, "model-tp1-of-2")
