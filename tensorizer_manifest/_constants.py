@@ -29,3 +29,7 @@ ENCRYPTION_KEY_ENV = "TENSORIZER_MANIFEST_ENCRYPTION_KEY"
 #: Directory for the nameless temporary file that holds pre-step tensors while saving (default: the temp dir;
 #: ``save_checkpoint`` sets it to the output's filesystem).
 SPILL_DIR_ENV = "TENSORIZER_MANIFEST_SPILL_DIR"
+
+#: Seconds a remote read may go without a byte from the server before it fails (``RemoteStalledError``), used
+#: when no ``RemoteOptions.stall_timeout_s`` is given (default ``storage.remote.STALL_TIMEOUT_S``, 60).
+STALL_TIMEOUT_ENV = "TENSORIZER_MANIFEST_STALL_TIMEOUT_S"

@@ -18,7 +18,8 @@
         ├── RemoteAccessError (PermissionError)                 the credentials were refused
         ├── RemoteUnreachableError (ConnectionError)            the endpoint cannot be reached
         ├── RemoteThrottledError                                 still throttled (503 SlowDown) after retries
-        └── RemoteChangedError                                   the object was replaced mid-read
+        ├── RemoteChangedError                                   the object was replaced mid-read
+        └── RemoteStalledError                                   the server sent nothing for the stall timeout
 
 Each class also inherits the builtin it refines (as huggingface_hub does), so
 callers that only know builtins still catch them. Messages say what is wrong
@@ -128,6 +129,11 @@ class RemoteChangedError(RemoteStorageError):
     """The object was replaced while it was being read (its ETag changed): the read is abandoned, never mixed."""
 
 
+class RemoteStalledError(RemoteStorageError):
+    """The server sent no byte for the stall timeout (``remote.STALL_TIMEOUT_S``, 60 s, or
+    ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``): it kept the connection open and stopped answering. Never retried."""
+
+
 __all__ = [
     "TensorizerManifestError",
     "ManifestError",
@@ -148,4 +154,5 @@ __all__ = [
     "RemoteUnreachableError",
     "RemoteThrottledError",
     "RemoteChangedError",
+    "RemoteStalledError",
 ]

@@ -25,7 +25,10 @@ a stream cut mid-transfer is never resumed, it fails with a typed error. A ``Rem
 version of its S3 object: the ETag of its first answer is kept, every later read carries
 ``If-Match`` with it, so an object replaced between two requests of one load (the checks' ranged
 reads, the stream, tensorizer's parallel readers) fails at once as a ``RemoteChangedError`` instead of
-mixing two versions' bytes; within one response the content hashes catch anything else.
+mixing two versions' bytes; within one response the content hashes catch anything else. Every read
+has a stall timeout (``STALL_TIMEOUT_S``, ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``, or
+``RemoteOptions.stall_timeout_s``): a server that sends no byte for that long, its connection still open,
+fails the read as a ``RemoteStalledError`` instead of hanging it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import configparser
 import functools
 import logging
+import math
 import os
 import random
 import re
@@ -45,12 +49,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
+from .._constants import STALL_TIMEOUT_ENV
 from ..errors import (
     ConcurrentWriteError,
     ConfigurationError,
     RemoteAccessError,
     RemoteChangedError,
     RemoteNotFoundError,
+    RemoteStalledError,
     RemoteStorageError,
     RemoteThrottledError,
     RemoteUnreachableError,
@@ -107,6 +113,12 @@ CONDITIONAL_READS = True
 #: more): making one builds a boto3 client, about 0.3 s on two busy cores, and the checks' ranged reads
 #: make one request per run of tensor headers.
 PRESIGNED_URL_REUSE_S = 3600.0
+#: A read fails (``RemoteStalledError``, never retried) when the server sends no byte for this many seconds:
+#: curl's ``--speed-limit 1 --speed-time`` (whole seconds) for streams and ranged reads, botocore's
+#: ``read_timeout`` for HEADs and listings. curl averages its speed over the last 5 seconds, so a stream that
+#: stops mid-transfer fails up to about 6 s later than that. ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S`` or
+#: ``RemoteOptions.stall_timeout_s`` set another (``RemoteOptions.stall_timeout`` is the one in effect).
+STALL_TIMEOUT_S = 60.0
 
 _CHUNK = 1 << 20
 #: tensorizer's default endpoint (CoreWeave) when nothing names one, as ``stream_io`` does.
@@ -146,11 +158,19 @@ class RemoteOptions:
     endpoint: str | None = None
     s3_config_path: str | None = None
     """An s3cmd config file to read instead of ``~/.s3cfg``."""
+    stall_timeout_s: float | None = None
+    """Seconds without a byte from the server before a read fails (None: ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``,
+    else ``STALL_TIMEOUT_S``)."""
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s is not None:
+            _stall_seconds(self.stall_timeout_s, "stall_timeout_s")
 
     def __repr__(self) -> str:
+        stall = "" if self.stall_timeout_s is None else f", stall_timeout_s={self.stall_timeout_s!r}"
         return (
             f"RemoteOptions(access_key_id={'<set>' if self.access_key_id else None}, "
-            f"secret_access_key={'<set>' if self.secret_access_key else None}, endpoint={self.endpoint!r})"
+            f"secret_access_key={'<set>' if self.secret_access_key else None}, endpoint={self.endpoint!r}{stall})"
         )
 
     __str__ = __repr__
@@ -159,12 +179,32 @@ class RemoteOptions:
         """The credential values given, for tests and callers that scrub text."""
         return tuple(s for s in (self.access_key_id, self.secret_access_key) if s)
 
+    def stall_timeout(self) -> float:
+        """The stall timeout in effect: ``stall_timeout_s``, else ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``, else
+        ``STALL_TIMEOUT_S`` (60 s). The one place that decides it."""
+        if self.stall_timeout_s is not None:
+            return float(self.stall_timeout_s)
+        given = os.environ.get(STALL_TIMEOUT_ENV, "").strip()
+        return _stall_seconds(given, STALL_TIMEOUT_ENV) if given else STALL_TIMEOUT_S
+
+
+def _stall_seconds(value: object, name: str) -> float:
+    """``value`` as a stall timeout: a finite number of seconds above 0, else a ``ConfigurationError`` naming it."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(f"{name}: a stall timeout is a number of seconds above 0, not {value!r}")
+    return seconds
+
 
 @dataclass(frozen=True)
 class _Resolved:
     access_key_id: str | None = field(repr=False)
     secret_access_key: str | None = field(repr=False)
     endpoint: str
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
     def __repr__(self) -> str:
         return f"_Resolved(endpoint={self.endpoint!r})"
@@ -211,7 +251,7 @@ def _resolve(options: RemoteOptions, write: bool = False) -> _Resolved:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
     if not endpoint:
         endpoint = _DEFAULT_WRITE_ENDPOINT if write else _DEFAULT_READ_ENDPOINT
-    return _Resolved(key_id, secret, _with_scheme(endpoint))
+    return _Resolved(key_id, secret, _with_scheme(endpoint), options.stall_timeout())
 
 
 def _s3_client(resolved: _Resolved):
@@ -223,7 +263,7 @@ def _s3_client(resolved: _Resolved):
     config = Config(
         retries={"total_max_attempts": 1, "mode": "standard"},  # retried here (``_retrying``), in RETRY_* bounds
         connect_timeout=10,
-        read_timeout=60,
+        read_timeout=resolved.stall_timeout_s,  # no byte for this long: ReadTimeoutError, a RemoteStalledError
         **({"signature_version": botocore.UNSIGNED} if unsigned else {}),
     )
     return boto3.session.Session().client(
@@ -261,8 +301,10 @@ def _check_uri(uri: str) -> tuple[str, str, str]:
 _HTTP_STATUS = re.compile(r"HTTP/[\d.]+ (\d{3})")
 _CURL_EXIT = re.compile(r"cURL exit code (\d+)|curl error: \((\d+)\)|curl: \((\d+)\)")
 #: curl exit codes that mean the endpoint was never reached, and those of a transfer cut short.
-_CURL_UNREACHABLE = {5, 6, 7, 28, 35, 60}
+_CURL_UNREACHABLE = {5, 6, 7, 35, 60}
 _CURL_CUT_SHORT = {18, 52, 55, 56, 92}
+#: curl's "operation timed out": with the stall limit (``_stall_limit``), no byte for the stall timeout.
+_CURL_STALLED = 28
 #: S3 error codes and HTTP statuses of a server that asks to slow down or is busy: retried, then typed.
 _THROTTLE_CODES = frozenset(
     {"SlowDown", "ServiceUnavailable", "RequestLimitExceeded", "Throttling", "ThrottlingException", "TooManyRequests"}
@@ -328,11 +370,14 @@ def _backoff(attempt: int) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
-def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageError | None:
+def transfer_error(
+    exc: BaseException, uri: str, doing: str, stall_timeout_s: float | None = None
+) -> RemoteStorageError | None:
     """The typed error for a failed remote transfer, or None when ``exc`` is not one.
 
     The message names the URI and the kind of failure, never the exception's own
-    text (a presigned URL carries the access key's id).
+    text (a presigned URL carries the access key's id). ``stall_timeout_s``: the stall
+    timeout the read had, named in a ``RemoteStalledError``.
     """
     import botocore.exceptions
 
@@ -354,6 +399,8 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
             )
         if isinstance(item, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
             return RemoteAccessError(f"{uri}: no usable S3 credentials while {doing}")
+        if isinstance(item, botocore.exceptions.ReadTimeoutError | TimeoutError):  # a socket's read timeout
+            return _stalled(uri, doing, stall_timeout_s)
     text = _messages(exc)
     if status is None:
         match = _HTTP_STATUS.search(text)
@@ -363,6 +410,8 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
         curl = _CURL_EXIT.search(text)
         if curl is not None:
             exit_code = int(next(g for g in curl.groups() if g))
+            if exit_code == _CURL_STALLED:
+                return _stalled(uri, doing, stall_timeout_s)
             if exit_code in _CURL_UNREACHABLE:
                 return RemoteUnreachableError(
                     f"{uri}: the server cannot be reached while {doing} (curl exit code {exit_code}): "
@@ -413,6 +462,15 @@ def transfer_error(exc: BaseException, uri: str, doing: str) -> RemoteStorageErr
     return None
 
 
+def _stalled(uri: str, doing: str, stall_timeout_s: float | None) -> RemoteStalledError:
+    waited = f"{stall_timeout_s:g} s" if stall_timeout_s is not None else "the stall timeout"
+    return RemoteStalledError(
+        f"{uri}: the server sent nothing for {waited} while {doing}, its connection still open: check the "
+        f"server and the network to it; if it is only slow, raise the stall timeout ({STALL_TIMEOUT_ENV}, "
+        "or RemoteOptions.stall_timeout_s)"
+    )
+
+
 def _changed(uri: str, doing: str) -> RemoteChangedError:
     return RemoteChangedError(
         f"{uri}: the object was replaced while {doing} (its ETag is not the one this read started with): "
@@ -426,6 +484,43 @@ def _etag_value(etag: str) -> str:
 
 
 # -- streams ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _curl_flags_class() -> type:
+    """tensorizer's public way to put flags on curl's command line: ``stream_io.CAInfo``, given as
+    ``certificate_handling`` (its ``curl_flags`` go on every curl a stream runs, kept by its forks and
+    re-opens). A subclass whose flags are ours, not a certificate option: curl verifies certificates as
+    by default."""
+    from tensorizer import stream_io
+
+    base = getattr(stream_io, "CAInfo", None)
+    if not isinstance(base, type) or not isinstance(getattr(base, "curl_flags", None), property):
+        raise ConfigurationError(  # pragma: no cover - another tensorizer
+            "this tensorizer has no stream_io.CAInfo with curl_flags, through which remote reads get their "
+            "stall timeout; install tensorizer>=2.10.1"
+        )
+
+    class _CurlFlags(base):  # type: ignore[valid-type, misc]
+        __slots__ = ("_flags",)
+
+        def __init__(self, *flags: str) -> None:  # CAInfo's asks for one certificate option; none is wanted
+            self._flags = flags
+
+        @property
+        def curl_flags(self) -> tuple[str, ...]:
+            return self._flags
+
+        def __hash__(self) -> int:
+            return hash(self._flags)
+
+    return _CurlFlags
+
+
+def _stall_limit(seconds: float) -> Any:
+    """The ``certificate_handling`` of a stream with a stall timeout: curl exits with code 28 (``RemoteStalledError``)
+    when fewer than 1 byte a second arrive for ``seconds`` (whole seconds, curl counts no finer; at least 1)."""
+    return _curl_flags_class()("--speed-limit", "1", "--speed-time", str(max(1, math.ceil(seconds))))
 
 
 @functools.cache
@@ -448,6 +543,30 @@ def _stream_class() -> type | None:
 
     class _RemoteStream(CURLStreamFile):
         remote: RemoteFile | None = None
+
+        # An opening with no answer (curl exited: refused, stalled) closes the stream at once, and tensorizer
+        # asks curl's exit code before curl has always finished exiting: then the code is waited for here.
+        def __init__(self, *args: Any, **kwargs: Any) -> None:  # also a backward seek's re-open, and a fork's
+            self._opened = False
+            try:
+                super().__init__(*args, **kwargs)
+            except OSError as exc:
+                code = getattr(self, "_exit_code", None)
+                if str(exc) == "Failed to open stream" and code and code > 0:
+                    raise OSError(f"Failed to open stream: cURL exit code {code}") from None
+                raise
+            self._opened = True
+
+        def close(self):
+            curl = getattr(self, "_curl", None)
+            if curl is not None and not getattr(self, "_opened", True) and curl.poll() is None:
+                try:  # its opening failed: curl has closed its output and is exiting, with its own code
+                    curl.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
+            super().close()
+            if curl is not None:
+                self._exit_code = curl.returncode
 
         def _fork(self, begin: int | None = None, end: int | None = None):
             remote = self.remote
@@ -646,15 +765,18 @@ class RemoteFile:
 
         cls = _stream_class()
         presign = getattr(stream_io, "_s3_download_url", None)
+        stall = _stall_limit(self.options.stall_timeout())
         if cls is None or (self.scheme == "s3" and presign is None):  # another tensorizer: its plain stream
-            return stream_io.open_stream(self.uri, "rb", begin=begin, end=end, **self._stream_kwargs())
+            return stream_io.open_stream(
+                self.uri, "rb", begin=begin, end=end, certificate_handling=stall, **self._stream_kwargs()
+            )
         headers = None
         url = self.uri
         if self.scheme == "s3":
             url = self._presigned_url(presign)
             etag = self.etag if CONDITIONAL_READS else None
             headers = {"If-Match": etag} if etag and not etag.startswith("W/") else None  # If-Match is strong
-        stream = cls(url, begin=begin, end=end, headers=headers)
+        stream = cls(url, begin=begin, end=end, headers=headers, certificate_handling=stall)
         stream.remote = self
         self._check_version(stream)
         return stream
@@ -772,7 +894,7 @@ class RemoteFile:
         self._retrying("removing it", lambda: client.delete_object(Bucket=bucket, Key=key))
 
     def _error(self, exc: BaseException, doing: str) -> TensorizerManifestError:
-        typed = transfer_error(exc, self.uri, doing)
+        typed = transfer_error(exc, self.uri, doing, self.options.stall_timeout())
         if type(typed) is RemoteStorageError and not self._reachable():
             return RemoteUnreachableError(
                 f"{self.uri}: the server cannot be reached while {doing}: check the endpoint and the network"

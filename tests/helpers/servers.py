@@ -12,9 +12,12 @@
 - ``FaultProxy``: an HTTP proxy in front of ``MotoS3`` (a thread, a free port) that passes requests
   through untouched and injects ``Fault``s into the ones that match: an answer (``503 SlowDown``), a
   connection cut (or reset) after so many body bytes, the proxy itself stopping mid-response (the server
-  a reader talks to is gone), another version's bytes from some offset on, or a hook run before or during
-  a response (to replace the object on the server). It records every request and the body bytes sent to
-  each client (the access key id a request is signed with), so a test can count what a reader fetched.
+  a reader talks to is gone), a stall (no more bytes, the connection kept open), another version's bytes
+  from some offset on, or a hook run before or during a response (to replace the object on the server). It
+  records every request and the body bytes sent to each client (the access key id a request is signed
+  with), so a test can count what a reader fetched.
+- ``StallServer``: a bare TCP server that accepts connections and then sends nothing (or only an HTTP
+  answer's headers) without closing them, until it is stopped: a server that stops answering.
 """
 
 from __future__ import annotations
@@ -48,6 +51,65 @@ def free_port() -> int:
 def closed_endpoint() -> str:
     """An http endpoint on 127.0.0.1 where nothing listens."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+#: The longest a stalled connection (``StallServer``, ``Fault.stall_after``) is held open when its owner
+#: forgets to stop it: nothing waits on it for ever.
+STALL_HOLD_S = 120.0
+
+
+class StallServer:
+    """A server on 127.0.0.1 that accepts every connection, reads what the client sends, answers ``headers``
+    (the bytes of an HTTP status line and headers; None: nothing at all), then sends nothing more and keeps
+    the connection open until stopped. ``with StallServer() as s: s.url``; ``accepted`` counts connections."""
+
+    def __init__(self, headers: bytes | None = None):
+        self.headers = headers
+        self.accepted = 0
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._connections: list[socket.socket] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        deadline = time.monotonic() + STALL_HOLD_S
+        while not self._stopped.is_set() and time.monotonic() < deadline:
+            try:
+                connection, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            self._connections.append(connection)
+            with contextlib.suppress(OSError):
+                connection.settimeout(2)
+                connection.recv(1 << 16)  # the request (its first segment is enough)
+                if self.headers is not None:
+                    connection.sendall(self.headers)
+        for connection in self._connections:  # stopped, or held for STALL_HOLD_S
+            with contextlib.suppress(OSError):
+                connection.close()
+
+    def __enter__(self) -> StallServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(10)
+        self._sock.close()
+        for connection in self._connections:
+            with contextlib.suppress(OSError):
+                connection.close()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 class MotoS3:
@@ -255,8 +317,10 @@ class Fault:
     What it does, one of: ``status`` (answer that instead of forwarding; with ``code`` an S3 error body, as
     ``503 SlowDown``); ``cut_after`` (forward, then close that connection after so many body bytes: FIN, or
     RST with ``reset``); ``stop_after`` (forward, then stop the whole proxy after so many body bytes: the
-    server is gone, nothing listens there any more); ``swap_after`` (after so many body bytes, send the
-    bytes of ``replacement`` at the same offsets: another version of the object from there on).
+    server is gone, nothing listens there any more); ``stall_after`` (forward, then send nothing more after
+    so many body bytes, 0: the headers only, the connection kept open until the proxy stops);
+    ``swap_after`` (after so many body bytes, send the bytes of ``replacement`` at the same offsets: another
+    version of the object from there on).
     ``before`` runs before forwarding, ``during`` once after ``during_after`` body bytes (e.g. replace the
     object on the server).
     """
@@ -272,6 +336,7 @@ class Fault:
     cut_after: int | None = None
     reset: bool = False
     stop_after: int | None = None
+    stall_after: int | None = None
     swap_after: int | None = None
     replacement: bytes | None = None
     before: Callable[[], None] | None = None
@@ -417,6 +482,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if not chunk:
                 return
             if fault is not None:
+                if fault.stall_after is not None and sent + len(chunk) >= fault.stall_after:
+                    self._send(record, chunk[: max(0, fault.stall_after - sent)])
+                    self._stall(record, fault)
                 limit = fault.cut_after if fault.cut_after is not None else fault.stop_after
                 if limit is not None and sent + len(chunk) >= limit:
                     self._send(record, chunk[: max(0, limit - sent)])
@@ -438,6 +506,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
             record.sent += len(data)
             self.proxy._count(record, len(data))
+
+    def _stall(self, record: Request, fault: Fault) -> None:
+        """Send nothing more, the connection open, until the proxy stops (at most ``STALL_HOLD_S``)."""
+        record.fault = f"stalled after {fault.stall_after}"
+        self.proxy._stopping.wait(STALL_HOLD_S)
+        raise _Cut
 
     def _cut(self, record: Request, fault: Fault) -> None:
         import struct
@@ -480,6 +554,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._listening = False
+        self._stopping = threading.Event()  # set: stalled responses end
 
     def add(self, fault: Fault) -> Fault:
         with self._lock:
@@ -548,6 +623,7 @@ class FaultProxy:
                 connection.shutdown(socket.SHUT_RDWR)
 
     def stop(self) -> None:
+        self._stopping.set()
         self._stop_listening()
         with self._lock:  # those a stop mid-response already dropped are gone; any later ones too
             open_now = list(self._connections)

@@ -8,7 +8,10 @@ the same bucket beside it that gets the right bytes.
   ``RemoteThrottledError`` naming the URI and what to do, in bounded time;
 - an object replaced while it is read: ``If-Match`` with the first ETag makes every later request of
   the load a 412, so ``RemoteChangedError`` at once; another version's bytes inside one response (a
-  broken cache) are caught by the content hashes (``IntegrityError``). Never a half-loaded model.
+  broken cache) are caught by the content hashes (``IntegrityError``). Never a half-loaded model;
+- a server that stops answering without closing the connection (before its answer, after its headers,
+  mid-stream, a parallel reader's range, a HEAD or a listing): ``RemoteStalledError`` naming the URI once
+  the stall timeout has passed with no byte, never a hang.
 
 No credential appears in an error or a log line. Readers are told apart by the access key id they sign
 with (moto accepts any), which the proxy records with the bytes it sent each of them.
@@ -21,20 +24,25 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
-from helpers.servers import BUCKET, Fault, FaultProxy
+from helpers.servers import BUCKET, Fault, FaultProxy, StallServer
 from helpers.synthetic import fresh_synthetic_model, write_synthetic_checkpoint
 
+from tensorizer_manifest._constants import STALL_TIMEOUT_ENV
 from tensorizer_manifest.checks.validate import open_checked, validate_checkpoint
 from tensorizer_manifest.errors import (
+    ConfigurationError,
     IntegrityError,
     RemoteChangedError,
+    RemoteStalledError,
     RemoteStorageError,
     RemoteThrottledError,
     RemoteUnreachableError,
 )
+from tensorizer_manifest.format.generation import POINTER_NAME
 from tensorizer_manifest.load.restore import restore_tensors
 from tensorizer_manifest.storage import remote, tensor_file
 from tensorizer_manifest.storage.checkpoint import load_manifest
@@ -308,7 +316,10 @@ def test_throttling_is_retried_and_the_load_succeeds(saved, proxy, fast_retries,
     streams = [r for r in proxy.matching("GET", saved["name"], key_id(0)) if r.range is None]
     assert [r.status for r in streams] == [503, 503, 200]
     assert [r.status for r in proxy.matching("HEAD", saved["name"], key_id(0))][:3] == [503, 503, 200]
-    assert all(r.status in (200, 206) for r in proxy.matching(client=key_id(1)))
+    clean = proxy.matching(client=key_id(1))
+    # Its one 404: the look for a format-3 pointer, which a format-2 checkpoint does not have.
+    assert [r.status for r in clean if POINTER_NAME in r.path] == [404]
+    assert all(r.status in (200, 206) for r in clean if POINTER_NAME not in r.path)
     assert "retrying" in caplog.text and saved["name"] in caplog.text
     assert SECRET not in caplog.text and key_id(0) not in caplog.text
 
@@ -463,3 +474,170 @@ def test_the_proxy_leaves_nothing_running(moto_s3):
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before
+
+
+# -- a server that stops answering without closing the connection -------------------------------------------------
+
+STALL_S = 2.0
+#: A stalled read must fail within the stall timeout and this much more: curl averages its speed over the last
+#: 5 seconds, so a stream that stops mid-transfer is seen up to about 6 s late; a busy machine is slow to start
+#: curl and boto3, and the load's own checks run first.
+STALL_SLACK_S = 12.0
+
+
+def bounded(call) -> tuple[BaseException | None, float]:
+    """``call()`` in a thread: what it raised (None: nothing) and how long it took; a test failure when it is
+    still running after the stall timeout and the slack (the read hangs). Stopping the server then ends it."""
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    began = time.monotonic()
+    thread.start()
+    thread.join(STALL_S + STALL_SLACK_S)
+    assert not thread.is_alive(), f"still reading {STALL_S + STALL_SLACK_S:.0f} s after the server stopped answering"
+    return outcome.get("error"), time.monotonic() - began
+
+
+def assert_stalled(error: BaseException | None, elapsed: float, uri: str, options: RemoteOptions) -> None:
+    assert isinstance(error, RemoteStalledError), repr(error)
+    assert STALL_S - 0.5 <= elapsed <= STALL_S + STALL_SLACK_S, elapsed  # the timeout ended it, nothing else
+    text = str(error)
+    assert_clean_message(error, uri, options)
+    assert f"nothing for {STALL_S:g} s" in text and STALL_TIMEOUT_ENV in text and "check the server" in text, text
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "curl error: (28)",
+        "Failed to open stream: cURL exit code 28; see https://curl.se/docs/manpage.html#28",
+        "socket",
+        "boto",
+    ],
+)
+def test_timeouts_are_stalls_and_never_retried(message):
+    import botocore.exceptions
+
+    exc: BaseException = OSError(message)
+    if message == "socket":
+        exc = TimeoutError("timed out")
+    elif message == "boto":
+        exc = botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9/b/x?X-Amz-Signature=abc")
+    error = transfer_error(exc, "s3://b/x.tensors", "reading it", 7.5)
+    assert type(error) is RemoteStalledError and isinstance(error, RemoteStorageError)
+    assert str(error).startswith("s3://b/x.tensors: the server sent nothing for 7.5 s while reading it"), error
+    assert "X-Amz" not in str(error) and "Signature" not in str(error)
+    assert not remote._transient(exc)
+
+
+def test_the_stall_timeout_setting(monkeypatch):
+    monkeypatch.delenv(STALL_TIMEOUT_ENV, raising=False)
+    assert RemoteOptions().stall_timeout() == remote.STALL_TIMEOUT_S == 60.0
+    monkeypatch.setenv(STALL_TIMEOUT_ENV, "5")
+    assert RemoteOptions().stall_timeout() == 5.0
+    options = RemoteOptions("AKIDEXAMPLE", "a-secret-value", "http://127.0.0.1:9", stall_timeout_s=2.5)
+    assert options.stall_timeout() == 2.5  # the option before the environment
+    assert "stall_timeout_s=2.5" in repr(options) and "a-secret-value" not in repr(options)
+    resolved = remote._resolve(options)
+    assert resolved.stall_timeout_s == 2.5
+    assert remote._s3_client(resolved).meta.config.read_timeout == 2.5  # HEADs and listings
+    assert remote._stall_limit(2.5).curl_flags == ("--speed-limit", "1", "--speed-time", "3")  # streams, ranges
+    assert remote._stall_limit(0.2).curl_flags[-1] == "1"
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv(STALL_TIMEOUT_ENV, bad)
+        with pytest.raises(ConfigurationError, match=STALL_TIMEOUT_ENV):
+            RemoteOptions().stall_timeout()
+    for bad in (0, -2.0, float("nan"), True):
+        with pytest.raises(ConfigurationError, match="stall_timeout_s"):
+            RemoteOptions(stall_timeout_s=bad)
+
+
+_HEADERS = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: 100\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "headers, set_by",
+    [(None, "option"), (None, "environment"), (_HEADERS, "option")],
+    ids=["no-answer", "no-answer-env", "headers-then-nothing"],
+)
+def test_a_ranged_read_from_a_server_that_sends_nothing_is_stalled(headers, set_by, monkeypatch):
+    """A server accepts the connection (and maybe answers the headers), then sends nothing and keeps it open:
+    the ranged read fails once the stall timeout has passed, naming the URI, and is not retried."""
+    if set_by == "environment":
+        monkeypatch.setenv(STALL_TIMEOUT_ENV, f"{STALL_S:g}")
+    with StallServer(headers) as server:
+        options = RemoteOptions(stall_timeout_s=STALL_S if set_by == "option" else None)
+        f = RemoteFile(f"{server.url}/ckpt/model.0123456789abcdef.tensors", options)
+        error, elapsed = bounded(lambda: b"".join(f.read_range(0, 100)))
+        assert_stalled(error, elapsed, str(f), options)
+        assert "opening it" in str(error) if headers is None else "reading it" in str(error)
+        assert server.accepted == 1
+
+
+@pytest.mark.parametrize("what", ["head", "listing"])
+def test_an_s3_request_to_a_server_that_sends_nothing_is_stalled(what):
+    """boto3's HEAD and listing through the same setting (botocore's read timeout)."""
+    with StallServer() as server:
+        options = RemoteOptions(key_id(0), SECRET, server.url, stall_timeout_s=STALL_S)
+        target = RemoteFile(f"s3://{BUCKET}/stall/model.tensors", options) if what == "head" else None
+        prefix = RemoteDir(f"s3://{BUCKET}/stall", options)
+        error, elapsed = bounded(target.size if target is not None else prefix.list_names)
+        assert_stalled(error, elapsed, str(target or prefix), options)
+        assert server.accepted == 1
+
+
+@pytest.mark.parametrize("how", ["load", "stream"])
+def test_a_stream_that_stalls_mid_load_is_stalled_for_its_reader_only(saved, proxy, how, caplog):
+    """The tensor file's stream stops halfway through the tensor data, its connection open (the server is
+    still up); the load fails with ``RemoteStalledError`` within the stall timeout, and the reader next to
+    it, through the same proxy, is untouched. The stalled stream is not re-opened."""
+    caplog.set_level(logging.DEBUG, logger="tensorizer_manifest")
+    proxy.add(Fault(path=saved["name"], client=key_id(0), ranged=False, stall_after=data_offset(saved)))
+    stalled = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_S)
+    read = load if how == "load" else partial(load_tensors, num_readers=1)
+    with ThreadPoolExecutor(1) as pool:
+        clean = pool.submit(read, saved["uri"], reader_options(proxy.url, 1))
+        error, elapsed = bounded(lambda: read(saved["uri"], stalled))
+        state = clean.result(timeout=60)
+    expected = saved["state"] if how == "load" else load_tensors(saved["uri"], reader_options(proxy.url, 2), 1)
+    assert same_state(state, expected)
+    assert_stalled(error, elapsed, f"{saved['uri']}/{saved['name']}", stalled)
+    streams = [r for r in proxy.matching("GET", saved["name"], key_id(0)) if r.range is None]
+    assert len(streams) == 1 and streams[0].fault == f"stalled after {data_offset(saved)}"
+    assert streams[0].sent == data_offset(saved)
+    assert SECRET not in caplog.text and key_id(0) not in caplog.text
+
+
+def test_a_parallel_reader_whose_range_stalls_is_stalled(saved, proxy):
+    """tensorizer's second reader opens a ranged request of its own (a fork of the stream): the server
+    answers its headers and nothing more; the load fails with ``RemoteStalledError``, not a hang."""
+    options = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_S)
+    manifest, manifest_path = load_manifest(saved["uri"], remote=options)
+
+    def read() -> None:
+        with open_checked(manifest, manifest_path, num_readers=2) as reader:
+            assert reader.num_readers == 2
+            proxy.add(Fault(path=saved["name"], ranged=True, stall_after=0, times=10))
+            restore_tensors(fresh_synthetic_model(), manifest, reader)
+
+    error, elapsed = bounded(read)
+    assert_stalled(error, elapsed, f"{saved['uri']}/{saved['name']}", options)
+    assert any(r.fault == "stalled after 0" for r in proxy.matching("GET", saved["name"]) if r.range)
+
+
+def test_an_opening_that_gets_no_answer_is_classified_by_curls_own_exit_code(monkeypatch):
+    """tensorizer asks curl's exit code as soon as curl's output ends, often before curl has exited; the
+    stream waits for it, so a stalled opening is a stall and a refused one unreachable, without a probe."""
+    from helpers.servers import closed_endpoint
+
+    monkeypatch.setattr(RemoteFile, "_reachable", lambda self: pytest.fail("classified by a probe, not curl's code"))
+    f = RemoteFile(f"{closed_endpoint()}/ckpt/model.tensors")
+    for _ in range(20):
+        with pytest.raises(RemoteUnreachableError, match=r"curl exit code 7\)"):
+            f.open(0, 10)
