@@ -29,6 +29,7 @@ from .errors import (
     RemoteAccessError,
     RemoteChangedError,
     RemoteNotFoundError,
+    RemoteStalledError,
     RemoteStorageError,
     RemoteThrottledError,
     RemoteUnreachableError,
@@ -120,4 +121,5 @@ __all__ = [
     "RemoteUnreachableError",
     "RemoteThrottledError",
     "RemoteChangedError",
+    "RemoteStalledError",
 ]

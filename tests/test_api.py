@@ -20,10 +20,10 @@ def test_public_api_is_what_was_meant():
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
         "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError",
-        "ReplayError", "NotReproducibleError", "UnsupportedVLLMError",
+        "ReplayError", "NotReproducibleError", "UnsupportedVLLMError", "ConcurrentWriteError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
-        "RemoteThrottledError", "RemoteChangedError",
+        "RemoteThrottledError", "RemoteChangedError", "RemoteStalledError",
     }  # fmt: skip
     for name in tm.__all__:
         assert getattr(tm, name) is not None, name
@@ -54,6 +54,8 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.RemoteUnreachableError, ConnectionError)
     assert issubclass(tm.RemoteThrottledError, tm.RemoteStorageError)
     assert issubclass(tm.RemoteChangedError, tm.RemoteStorageError)
+    assert issubclass(tm.RemoteStalledError, tm.RemoteStorageError)
+    assert issubclass(tm.ConcurrentWriteError, RuntimeError)
     for name in ("ManifestError", "CheckpointNotFoundError", "ConfigurationError", "IntegrityError",
                  "CompatibilityError", "UnsupportedModelError", "ReplayError", "RemoteStorageError",
                  "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError"):  # fmt: skip

@@ -645,6 +645,48 @@ def fetch(uri: str, cache_dir: Path, **remote) -> None:
     )
 
 
+@app.command()
+@click.argument("checkpoint", type=_PATH)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Seconds a generation stays after a newer one is committed (loaders that read the older pointer finish).",
+)
+@click.option(
+    "--orphan-grace",
+    type=click.FloatRange(min=0),
+    default=86400.0,
+    show_default=True,
+    help="Seconds files no generation names (a writer killed, or still writing) stay after their last write.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+def gc(checkpoint: Path, grace: float, orphan_grace: float, dry_run: bool, json: bool) -> None:
+    """Remove the files of CHECKPOINT (format version 3) that no generation current within the grace period names.
+
+    Writers do this after each commit with the defaults; run it to reclaim space sooner or on a schedule."""
+    from ..storage.generations import LocalCheckpoint
+
+    store = LocalCheckpoint(checkpoint)
+    try:
+        plan = store.plan_gc(grace_s=grace, orphan_grace_s=orphan_grace)
+        removed = [] if dry_run else store.gc(plan)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    if json:
+        report = {"current": plan.current, "kept_generations": plan.kept_generations, "delete": plan.delete,
+                  "removed": removed, "waiting": plan.waiting}  # fmt: skip
+        console().print_json(json_dumps(report))
+        return
+    console().print(f"current generation {plan.current}; kept: {', '.join(plan.kept_generations)}", highlight=False)
+    for path in plan.delete:
+        console().print(f"{'would remove' if dry_run else 'removed'} {path}", highlight=False)
+    for path, why in plan.waiting.items():
+        console().print(f"kept for now: {path} ({why})", highlight=False)
+
+
 def json_dumps(value: object) -> str:
     import json
 

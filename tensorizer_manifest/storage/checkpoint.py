@@ -297,16 +297,18 @@ def load_manifest(
     stem: str | None = None,
     remote: RemoteOptions | None = None,
     generation: Generation | None = None,
+    follow_pointer: bool = True,
 ) -> tuple[Manifest, FileLocation]:
     """The manifest of a checkpoint directory, URI or manifest file, and the file it was read from.
 
     A checkpoint of format version 3 gives the rank's manifest of ``generation`` (by default the current one,
-    through the pointer), its bytes checked against the generation's record of them."""
+    through the pointer), its bytes checked against the generation's record of them. ``follow_pointer=False``:
+    the caller found no pointer already (a loader's ranks agreed on that) and it is not looked for again."""
     root = checkpoint_root(path, remote)
     if root is None and not is_remote(path) and str(path).endswith(MANIFEST_SUFFIX):
         if (Path(path).parent / POINTER_NAME).is_file():  # a rank's old name, a stub: the current generation's
             root, stem = Path(path).parent, Path(path).name.removesuffix(MANIFEST_SUFFIX)
-    if generation is None and root is not None:
+    if generation is None and root is not None and follow_pointer:
         found = load_generation(root)
         generation = found[0] if found is not None else None
     if generation is not None:

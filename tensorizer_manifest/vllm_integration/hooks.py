@@ -293,7 +293,9 @@ class ManifestModelLoader(BaseModelLoader):
         generation = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         _failpoints.pause("after-agreement", stem)
         try:
-            manifest, manifest_path = load_manifest(checkpoint, stem, remote=options.remote(), generation=generation)
+            manifest, manifest_path = load_manifest(
+                checkpoint, stem, remote=options.remote(), generation=generation, follow_pointer=False
+            )
         except NoManifestError as exc:
             source = model_config.model if str(model_config.model).rstrip("/") != checkpoint.rstrip("/") else None
             raise no_manifest_error(

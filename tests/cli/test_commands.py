@@ -283,3 +283,35 @@ def test_inspect_of_a_stock_vllm_file_names_the_resave_command(tmp_path):
     assert shown.returncode != 0
     assert "a tensorizer file without a manifest beside it" in shown.stderr
     assert "tensorizer-manifest save SOURCE_MODEL" in shown.stderr
+
+
+def test_gc_says_what_it_would_remove_then_removes_it(tmp_path):
+    from tensorizer_manifest.format import generation as g
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    store = LocalCheckpoint(tmp_path)
+    parent = None
+    for payload in (b"one", b"two"):
+        gid = g.new_generation_id()
+        ref = store.put(f"{g.generation_dir(gid)}/config.json", payload)
+        generation = g.Generation(format_version=3, id=gid, parent=parent, producer="t", made_by="save",
+                                  model_files=[g.ModelFile(name="config.json", file=ref)])  # fmt: skip
+        store.commit(g.seal_generation(generation))
+        parent = gid
+    first = store.current().parent
+    dry = run("gc", str(tmp_path), "--grace", "0", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["current"] == parent and report["removed"] == []
+    assert f"{g.generation_dir(first)}/config.json" in report["delete"]
+    assert (tmp_path / g.generation_dir(first)).is_dir()
+    done = run("gc", str(tmp_path), "--grace", "0")
+    assert done.returncode == 0, done.stderr
+    assert "removed" in done.stdout and not (tmp_path / g.generation_dir(first)).exists()
+    assert store.current().id == parent
+
+
+def test_gc_of_a_format_2_checkpoint_is_one_clear_line(tmp_path):
+    proc = run("gc", str(tmp_path))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "format version 3" in proc.stderr
