@@ -119,3 +119,61 @@ def test_a_sharded_rank_whose_manifest_is_not_there_is_named(tmp_path, source):
     publication = publish.begin(tmp_path / "ckpt", g.new_generation_id())
     with pytest.raises(Exception, match="model-tp1-of-2's manifest is not in the generation's folder"):
         publish.rank_entry(publication, "model-tp1-of-2")
+
+
+def test_a_reader_of_the_previous_generation_finishes_while_two_re_saves_and_a_gc_run(tmp_path, source):
+    from helpers.synthetic import fresh_synthetic_model
+
+    from tensorizer_manifest.checks.validate import open_checked
+    from tensorizer_manifest.errors import CheckpointNotFoundError
+    from tensorizer_manifest.load.restore import restore_tensors
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    root = tmp_path / "ckpt"
+    first = _save(root, source, seed=0, fallbacks=False)
+    manifest, manifest_path = load_manifest(root)  # a loader read the pointer, then...
+    second = _save(root, source, seed=1, fallbacks=False)  # ...two re-saves, each with its gc
+    third = _save(root, source, seed=2, fallbacks=False)
+    store = LocalCheckpoint(root)
+    store.gc(store.plan_gc())  # and one more, with the default grace
+    assert store.current().id == third.id and third.parent == second.id
+    model = fresh_synthetic_model()
+    with open_checked(manifest, manifest_path) as reader:  # every file it needs is still there, hashes checked
+        restore_tensors(model, manifest, reader)
+    assert load_manifest(root, generation=first)[0] == manifest
+    store.gc(store.plan_gc(grace_s=0))  # past the grace period: the first generation goes
+    with pytest.raises(CheckpointNotFoundError, match=first.id):
+        load_generation(root, g.pointer_to(first.id, b"its document"))
+
+
+def test_the_loser_of_two_saves_leaves_no_file_of_its_own_where_loaders_look(tmp_path, source):
+    root = tmp_path / "ckpt"
+    _save(root, source)
+    winner = publish.begin(root, g.new_generation_id())
+    loser = publish.begin(root, g.new_generation_id())
+    other = tmp_path / "other-source"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}\n')
+    for publication, seed in ((winner, 1), (loser, 2)):
+        write_checkpoint(make_capture(seed), publication.folder, "model")
+    files = {}
+    for publication, model_source in ((winner, source), (loser, other)):
+        files[publication.generation_id] = publish.copy_model_files(publication, model_source)
+    fingerprint = make_capture().fingerprint
+    publish.commit(
+        winner,
+        made_by="save",
+        model_files=files[winner.generation_id],
+        form_sets=[publish.form_set(g.Layout(), fingerprint, [publish.rank_entry(winner, "model")])],
+    )
+    with pytest.raises(ConcurrentWriteError):
+        publish.commit(
+            loser,
+            made_by="save",
+            model_files=files[loser.generation_id],
+            form_sets=[publish.form_set(g.Layout(), fingerprint, [publish.rank_entry(loser, "model")])],
+        )
+    # fmt: skip
+    assert (root / "config.json").read_bytes() == (source / "config.json").read_bytes()  # the winner's
+    assert LocalCheckpoint(root).current_generation_id() == winner.generation_id
+    assert (loser.folder / "config.json").is_file()  # the loser's own, in its uncommitted folder (gc's, later)

@@ -1,0 +1,45 @@
+"""Format version 3 on real vLLM: a save is one generation; a TP=2 engine's ranks agree on one generation while
+a re-save of another model commits (the race of #33, made deterministic with a named pause)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_script
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def result(e2e_dir):
+    return run_script("scenarios/generations.py", str(e2e_dir), marker="GENERATIONS_RESULT", timeout=1500, output=True)
+
+
+def test_a_generation_loads_token_exact_against_the_engine_it_was_saved_from(result):
+    one = result["one_rank"]
+    assert one["tokens"] == one["reference"]
+    assert one["saved_generation"] == one["current"] == one["loaded_generation"]
+    assert {"config.json", "tokenizer_config.json"} <= set(one["model_files"])
+    assert {"tensorizer-manifest.json", "generations", "model.manifest.json", "config.json"} <= set(one["top_level"])
+    assert not any(name.endswith(".tensors") for name in one["top_level"]), "tensor files belong in a generation"
+
+
+def test_another_save_s_tokenizer_beside_the_weights_is_refused_by_name(result):
+    assert result["one_rank"]["other_tokenizer"] is not None, "an engine started with another save's tokenizer"
+    refusals = [line for line in result["_output"].splitlines() if "IntegrityError" in line]
+    assert any("tokenizer_config.json: not the tokenizer_config.json of the checkpoint's generation" in line
+               for line in refusals), refusals  # fmt: skip
+
+
+def test_a_tp2_load_reads_one_generation_while_a_re_save_commits(result):
+    """Both ranks paused after agreeing on A; B's save committed to completion; released, the engine answers as A,
+    every rank reporting A's generation. A fresh load then answers as B. No mix, no error."""
+    race = result["race"]
+    assert race["paused_both_ranks"], race.get("raced_output")
+    assert race["generation_b"] != race["generation_a"]
+    assert race["tokens_b"] != race["tokens_a"], "the two models must answer differently for the test to mean anything"
+    raced = race["raced"]
+    assert raced is not None, race.get("raced_output")
+    assert raced["generations"] == [race["generation_a"], race["generation_a"]]
+    assert raced["tokens"] == race["tokens_a"]
+    assert race["generation_after"] == race["generation_b"]
+    assert race["tokens_after"] == race["tokens_b"]

@@ -1,0 +1,152 @@
+"""Format version 3 on real vLLM: a checkpoint of generations behind one pointer.
+
+One rank (Llama): a save with ``format_version=3`` loads token-exact against the engine it was saved from (vLLM's
+default loader, observed), and a tokenizer of another save at the top is refused by name.
+
+Two ranks (Qwen3, TP=2), the race of #33: a loader's engine starts on save A and both its ranks pause once they
+agreed on a generation (``TENSORIZER_MANIFEST_PAUSE_AT=after-agreement``); a re-save of another model B commits
+meanwhile; released, the loader must answer as A (both ranks report A's generation), and a fresh load then answers
+as B. Version 2 let such a load answer as neither.
+
+Usage: python tests/scenarios/generations.py WORKDIR. Prints ``GENERATIONS_RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
+
+TP2 = {"distributed_executor_backend": "mp", "tensor_parallel_size": 2}
+
+#: The raced loader, a process of its own: its engine's workers inherit the pause from its environment.
+_RACED_LOADER = """
+import json, sys
+from tensorizer_manifest.cli.demo import engine_options, greedy_tokens
+from tensorizer_manifest.save.from_source import shutdown
+from vllm import LLM
+llm = LLM(model=sys.argv[1], load_format="tensorizer_manifest", **engine_options(
+    worker_extension_cls="tensorizer_manifest.vllm_integration.ManifestWorkerExtension",
+    distributed_executor_backend="mp", tensor_parallel_size=2))
+try:
+    reports = llm.collective_rpc("tensorizer_manifest_report")
+    tokens, _ = greedy_tokens(llm)
+finally:
+    shutdown(llm)
+print("RACED " + json.dumps({"tokens": tokens, "generations": [r["generation"] for r in reports]}), flush=True)
+"""
+
+
+def _capture_save(model_dir: Path, out: str, **engine) -> tuple[list, dict]:
+    """Tokens of an engine vLLM's default loader loaded (observed by the capture loader), then its save as a
+    generation of ``out``."""
+    from vllm import LLM
+
+    from tensorizer_manifest import CAPTURE_LOAD_FORMAT, WORKER_EXTENSION
+    from tensorizer_manifest.cli.demo import engine_options, greedy_tokens
+    from tensorizer_manifest.save.from_source import shutdown
+
+    llm = LLM(
+        model=str(model_dir),
+        load_format=CAPTURE_LOAD_FORMAT,
+        **engine_options(worker_extension_cls=WORKER_EXTENSION, **engine),
+    )
+    try:
+        tokens, _ = greedy_tokens(llm)
+        saved = llm.collective_rpc("save_tensorizer_manifest", args=(out,), kwargs={"format_version": 3})
+    finally:
+        shutdown(llm)
+    return tokens, saved[0]
+
+
+def one_rank(workdir: str) -> dict:
+    from helpers.errors import error_chain
+
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+    from tensorizer_manifest.testing.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
+    out = os.path.join(workdir, "ckpt-llama-v3")
+    reference, saved = _capture_save(model_dir, out)
+    report: dict = {}
+    tokens, _, _ = generate_tokens(out, "tensorizer_manifest", report=report)
+    generation = LocalCheckpoint(out).current()
+    result = {
+        "reference": reference,
+        "tokens": tokens,
+        "saved_generation": saved["generation"],
+        "loaded_generation": report.get("generation"),
+        "current": generation.id,
+        "model_files": [m.name for m in generation.model_files],
+        "top_level": sorted(os.listdir(out)),
+    }
+    tokenizer = Path(out, "tokenizer_config.json")
+    tokenizer.write_text(tokenizer.read_text().replace("}", ', "model_max_length": 7}', 1))  # another save's
+    try:
+        generate_tokens(out, "tensorizer_manifest")
+        result["other_tokenizer"] = None
+    except Exception as exc:  # noqa: BLE001
+        result["other_tokenizer"] = error_chain(exc)
+    return result
+
+
+def _wait_for(paths: list[Path], process: subprocess.Popen, limit_s: float = 600) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not all(p.exists() for p in paths):
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def tensor_parallel_race(workdir: str) -> dict:
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.testing.tiny import build_tiny_model
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    model_a = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
+    model_b = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied-seed1"), "qwen3-tied", seed=1)
+    out = os.path.join(workdir, "ckpt-qwen3-tp2-v3")
+    tokens_a, saved_a = _capture_save(model_a, out, **TP2)
+
+    gate = Path(workdir, "gate-after-agreement")
+    gate.mkdir(exist_ok=True)
+    env = {**os.environ, "TENSORIZER_MANIFEST_PAUSE_AT": f"after-agreement:{gate}"}
+    raced = subprocess.Popen(
+        [sys.executable, "-c", _RACED_LOADER, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    reached = [gate / f"after-agreement.model-tp{r}-of-2.reached" for r in range(2)]
+    paused = _wait_for(reached, raced)
+    result: dict = {"tokens_a": tokens_a, "generation_a": saved_a["generation"], "paused_both_ranks": paused}
+    try:
+        if paused:  # both ranks hold generation A; a re-save of another model commits now, to completion
+            result["tokens_b"], saved_b = _capture_save(model_b, out, **TP2)
+            result["generation_b"] = saved_b["generation"]
+    finally:
+        (gate / "after-agreement.release").touch()
+        output, _ = raced.communicate(timeout=600)
+    lines = [line for line in output.splitlines() if line.startswith("RACED ")]
+    result["raced"] = json.loads(lines[-1].removeprefix("RACED ")) if lines else None
+    if result["raced"] is None:
+        result["raced_output"] = output[-4000:]
+    report: dict = {}
+    result["tokens_after"], _, _ = generate_tokens(out, "tensorizer_manifest", report=report, **TP2)
+    result["generation_after"] = report.get("generation")
+    return result
+
+
+def main() -> None:
+    workdir = sys.argv[1]
+    result = {"one_rank": one_rank(workdir), "race": tensor_parallel_race(workdir)}
+    print("GENERATIONS_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
