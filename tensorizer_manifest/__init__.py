@@ -35,6 +35,7 @@ from .errors import (
     RemoteUnreachableError,
     ReplayError,
     TensorizerManifestError,
+    UnsafeStorageError,
     UnsupportedModelError,
     UnsupportedVLLMError,
 )
@@ -122,4 +123,5 @@ __all__ = [
     "RemoteThrottledError",
     "RemoteChangedError",
     "RemoteStalledError",
+    "UnsafeStorageError",
 ]

@@ -19,7 +19,8 @@
         ├── RemoteUnreachableError (ConnectionError)            the endpoint cannot be reached
         ├── RemoteThrottledError                                 still throttled (503 SlowDown) after retries
         ├── RemoteChangedError                                   the object was replaced mid-read
-        └── RemoteStalledError                                   the server sent nothing for the stall timeout
+        ├── RemoteStalledError                                   the server sent nothing for the stall timeout
+        └── UnsafeStorageError                                   the server ignores conditional writes
 
 Each class also inherits the builtin it refines (as huggingface_hub does), so
 callers that only know builtins still catch them. Messages say what is wrong
@@ -134,6 +135,11 @@ class RemoteStalledError(RemoteStorageError):
     ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``): it kept the connection open and stopped answering. Never retried."""
 
 
+class UnsafeStorageError(RemoteStorageError):
+    """The S3 server ignores conditional writes (``If-Match``, ``If-None-Match``), so writers of one checkpoint
+    could silently undo each other: writing is refused unless the user accepts that the last writer wins."""
+
+
 __all__ = [
     "TensorizerManifestError",
     "ManifestError",
@@ -155,4 +161,5 @@ __all__ = [
     "RemoteThrottledError",
     "RemoteChangedError",
     "RemoteStalledError",
+    "UnsafeStorageError",
 ]

@@ -23,7 +23,7 @@ def test_public_api_is_what_was_meant():
         "ReplayError", "NotReproducibleError", "UnsupportedVLLMError", "ConcurrentWriteError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
-        "RemoteThrottledError", "RemoteChangedError", "RemoteStalledError",
+        "RemoteThrottledError", "RemoteChangedError", "RemoteStalledError", "UnsafeStorageError",
     }  # fmt: skip
     for name in tm.__all__:
         assert getattr(tm, name) is not None, name
@@ -55,6 +55,7 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.RemoteThrottledError, tm.RemoteStorageError)
     assert issubclass(tm.RemoteChangedError, tm.RemoteStorageError)
     assert issubclass(tm.RemoteStalledError, tm.RemoteStorageError)
+    assert issubclass(tm.UnsafeStorageError, tm.RemoteStorageError)
     assert issubclass(tm.ConcurrentWriteError, RuntimeError)
     for name in ("ManifestError", "CheckpointNotFoundError", "ConfigurationError", "IntegrityError",
                  "CompatibilityError", "UnsupportedModelError", "ReplayError", "RemoteStorageError",

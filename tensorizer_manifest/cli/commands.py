@@ -453,12 +453,18 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     "without a key, a plain digest). Loading and validating then need the same key.",
 )
 @click.option(
+    "--allow-unconditional-writes",
+    is_flag=True,
+    help="Write to an S3 server that ignores conditional writes (If-Match): of two writers of one checkpoint the "
+    "last wins, silently. Refused by default.",
+)
+@click.option(
     "--format-version",
     type=click.Choice(["2", "3"]),
     default="2",
     show_default=True,
-    help="3: immutable generations behind one pointer, committed once for every rank, the model files inside "
-    "(local directories only for now). 2: one manifest per rank.",
+    help="3: immutable generations behind one pointer, committed once for every rank, the model files inside. "
+    "2: one manifest per rank (read by older versions too).",
 )
 @remote_options
 @encryption_key_option(
@@ -485,6 +491,7 @@ def save(
     allow_unverified: bool,
     fallbacks: bool,
     signing_key_file: Path | None,
+    allow_unconditional_writes: bool,
     format_version: str,
     s3_access_key_id: str | None,
     s3_secret_access_key: str | None,
@@ -526,6 +533,7 @@ def save(
             encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
             progress=interactive(),
             format_version=int(format_version),
+            allow_unconditional_writes=allow_unconditional_writes,
         )
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -568,6 +576,9 @@ def save(
 @click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
 @encryption_key_option("An encrypted checkpoint's key.")
 @remote_options
+@click.option(
+    "--allow-unconditional-writes", is_flag=True, help="As for save: an S3 server that ignores conditional writes."
+)
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
 def add_form_command(
     checkpoint: str,
@@ -577,6 +588,7 @@ def add_form_command(
     s3_access_key_id: str | None,
     s3_secret_access_key: str | None,
     s3_endpoint: str | None,
+    allow_unconditional_writes: bool,
     json: bool,
 ) -> None:
     """Add this machine's processed form to CHECKPOINT (a directory or s3://bucket/prefix saved with raw
@@ -597,6 +609,7 @@ def add_form_command(
             s3_access_key_id=s3_access_key_id,
             s3_secret_access_key=s3_secret_access_key,
             s3_endpoint=s3_endpoint,
+            allow_unconditional_writes=allow_unconditional_writes,
         )
     except TensorizerManifestError as exc:
         _fail(exc)

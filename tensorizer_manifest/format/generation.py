@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..errors import ConfigurationError, ManifestError, ManifestVersionError
+from ..errors import ConfigurationError, IntegrityError, ManifestError, ManifestVersionError
 from .schema import (
     ContentHash,
     EncryptionKey,
@@ -265,6 +265,22 @@ def decode_pointer(data: bytes, source: str = "pointer") -> Pointer:
 def decode_generation(data: bytes, source: str = "generation") -> Generation:
     """Decode a generation document; failures as ``decode_pointer``'s."""
     return _decode(_generation_decoder, data, source, "generation document")
+
+
+def generation_named(pointer: Pointer, document: bytes, source: str) -> Generation:
+    """The generation ``pointer`` names, from its document's bytes: the bytes must be the ones the pointer's hash
+    names, and the document the generation the pointer names (``IntegrityError`` otherwise)."""
+    if blake3_hex(document) != pointer.hash:
+        raise IntegrityError(
+            f"{source}: its bytes are not the ones the pointer names (damaged, or replaced by hand): restore it, "
+            "or save the checkpoint again"
+        )
+    generation = decode_generation(document, source)
+    if generation.id != pointer.generation:
+        raise IntegrityError(
+            f"{source}: it says it is generation {generation.id}, the pointer names {pointer.generation}"
+        )
+    return generation
 
 
 def _decode(decoder: msgspec.json.Decoder, data: bytes, source: str, what: str):

@@ -20,10 +20,11 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from ..errors import CheckpointNotFoundError, ConfigurationError
+from ..format.generation import POINTER_NAME
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import read_manifest
 from ..storage.options import S3Options, describe_validation_error
-from ..storage.remote import RemoteDir, fetch_model_files, is_remote
+from ..storage.remote import RemoteDir, fetch_model_files, is_remote, probe_conditional_writes
 from .from_source import (
     encryption_key_file_path,
     read_model_config,
@@ -44,6 +45,9 @@ class AddFormOptions(S3Options):
     )
     encryption_key_file: str | None = Field(
         None, description="An encrypted checkpoint's key (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY)."
+    )
+    allow_unconditional_writes: bool = Field(
+        False, description="Write to an S3 server that ignores conditional writes (the last writer wins, silently)."
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -105,6 +109,12 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     location = RemoteDir(uri, remote)
     if location.scheme != "s3":
         raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    if (location / POINTER_NAME).exists():
+        raise ConfigurationError(
+            f"{uri}: add-form on an s3:// checkpoint of format version 3 is not supported yet; run it on a local "
+            "copy of the checkpoint, or save the checkpoint with this machine kind's form"
+        )
+    probe_conditional_writes(location, opts.allow_unconditional_writes)
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
         fetch_model_files(uri, stage, remote)

@@ -32,7 +32,8 @@ from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerMani
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
 from ..storage.options import S3Options, describe_validation_error
-from ..storage.remote import RemoteDir, is_remote, upload_checkpoint
+from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes, upload_checkpoint
+from .publish import publish_to_s3
 from .write import copy_model_files
 
 
@@ -102,11 +103,18 @@ class SaveOptions(S3Options):
     progress: bool = Field(
         False, description="Draw a progress bar of the write on stderr (when stdout and stderr are terminals)."
     )
+    allow_unconditional_writes: bool = Field(
+        False,
+        description=(
+            "Write to an S3 server that ignores conditional writes (If-Match, If-None-Match), accepting that of two "
+            "writers of one checkpoint the last one wins, silently. Refused by default (UnsafeStorageError)."
+        ),
+    )
     format_version: Literal[2, 3] = Field(
         2,
         description=(
             "3: the checkpoint as immutable generations behind one pointer, committed once for every rank, with "
-            "the model files inside (docs/design.md, 'Format version 3'; local directories only in this version; "
+            "the model files inside (docs/design.md, 'Format version 3'; "
             "read by tensorizer-manifest 0.5 and later). 2: one manifest per rank, read by 0.4 and later."
         ),
     )
@@ -256,19 +264,25 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     options, else ``~/.s3cfg``, else ``AWS_*`` variables).
     """
     opts = SaveOptions.parse(options)
-    if is_remote(str(out)) and opts.format_version == 3:
-        raise ConfigurationError(
-            f"{out}: format version 3 is written to local directories only in this version; save with "
-            "format_version=2 (the default) to s3://"
-        )
     if is_remote(str(out)):
         remote = opts.remote()
-        RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts
+        target = RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts
         if not str(out).lower().startswith("s3://"):
             raise ConfigurationError(f"{out}: only s3:// checkpoints can be written; http(s) is read-only")
+        probe_conditional_writes(target, opts.allow_unconditional_writes)  # before an engine starts, too
         with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-save-") as staging:
             local = save_checkpoint(src, staging, **{**options, **_NO_REMOTE})
-            upload_checkpoint(Path(staging), str(out), remote)
+            if opts.format_version == 3:
+                publish_to_s3(
+                    Path(staging),
+                    str(out),
+                    remote,
+                    signing_key=signing_key_from(opts.signing_key_file),
+                    encryption_key=encryption_key_from(opts.encryption_key_file),
+                    allow_unconditional_writes=opts.allow_unconditional_writes,
+                )
+            else:
+                upload_checkpoint(Path(staging), str(out), remote, opts.allow_unconditional_writes)
         return SaveResult(out_dir=str(out).rstrip("/"), ranks=local.ranks, copied_files=local.copied_files)
     if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
         raise ConfigurationError("the s3_* options are for an s3:// output; this output is a local directory")

@@ -33,6 +33,7 @@ from ..format.generation import (
     RankRef,
     decode_generation,
     decode_pointer,
+    generation_named,
     is_generation_id,
 )
 from ..format.schema import (
@@ -305,9 +306,11 @@ def load_manifest(
     through the pointer), its bytes checked against the generation's record of them. ``follow_pointer=False``:
     the caller found no pointer already (a loader's ranks agreed on that) and it is not looked for again."""
     root = checkpoint_root(path, remote)
-    if root is None and not is_remote(path) and str(path).endswith(MANIFEST_SUFFIX):
-        if (Path(path).parent / POINTER_NAME).is_file():  # a rank's old name, a stub: the current generation's
-            root, stem = Path(path).parent, Path(path).name.removesuffix(MANIFEST_SUFFIX)
+    if root is None and str(path).endswith(MANIFEST_SUFFIX):  # a rank's name at the top of a format-3 checkpoint
+        named = as_remote(path, remote) if is_remote(path) else Path(path)  # type: ignore[arg-type]
+        beside = named.parent / POINTER_NAME
+        if beside.exists() if isinstance(beside, RemoteFile) else beside.is_file():  # a stub: the current one's
+            root, stem = named.parent, named.name.removesuffix(MANIFEST_SUFFIX)
     if generation is None and root is not None and follow_pointer:
         found = load_generation(root)
         generation = found[0] if found is not None else None
@@ -379,16 +382,7 @@ def load_generation(root: Path | RemoteDir, pointer: Pointer | None = None) -> t
             f"{root}: generation {pointer.generation} is gone (a newer save was committed and this one removed "
             "after its grace period); start again to read the current one"
         )
-    if blake3_hex(data) != pointer.hash:
-        raise IntegrityError(
-            f"{location}: its bytes are not the ones the pointer names (damaged, or replaced by hand): restore it, "
-            "or save the checkpoint again"
-        )
-    generation = decode_generation(data, str(location))
-    if generation.id != pointer.generation:
-        raise IntegrityError(
-            f"{location}: it says it is generation {generation.id}, the pointer names {pointer.generation}"
-        )
+    generation = generation_named(pointer, data, str(location))
     return generation, pointer
 
 

@@ -1,15 +1,15 @@
-"""A local checkpoint of format version 3: immutable files, one pointer swapped by compare-and-swap, and ``gc``.
+"""Checkpoints of format version 3: immutable files, one pointer swapped by compare-and-swap, and ``gc``.
 
-Writers only ever create files (``LocalCheckpoint.put``: a temporary, then a hard link that fails if the name
-exists), under ``generations/<id>/``, and replace one file, the pointer, under an ``flock``, only if it still
-names the generation the writer started from (``commit``). Generation ids never repeat, so the compare has no
-ABA. ``gc`` removes what no generation current within a grace period names (``docs/design.md``, "Removing old
-generations"). No torch, no vLLM.
+Writers only ever create files (``put``: create-only), under ``generations/<id>/``, and replace one object, the
+pointer, only if it still names the generation the writer started from (``commit``): locally under an ``flock``
+(``LocalCheckpoint``), on S3 with a conditional PUT (``S3Checkpoint``: ``If-Match`` on the ETag read,
+``If-None-Match: *`` for the first). Generation ids never repeat, so neither compare has an ABA. ``gc`` removes
+what no generation current within a grace period names (``docs/design.md``, "Removing old generations"); the
+walk is the same for both stores, with the storage's own timestamps. No torch, no vLLM.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import _failpoints
 from ..errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError
 from ..format.generation import (
+    GENERATION_DOCUMENT,
     GENERATIONS_DIR,
     POINTER_NAME,
     FileRef,
@@ -33,6 +34,7 @@ from ..format.generation import (
 )
 from ..format.schema import blake3_hex
 from .files import create_only, exclusive_lock, replace_atomically
+from .remote import RemoteDir, RemoteNotFoundError, list_objects, probe_conditional_writes
 
 #: ``gc``'s defaults: a generation stays this long after a newer one is committed (readers that read the older
 #: pointer finish), and an uncommitted folder (a writer killed, or one still writing) this long after its newest
@@ -54,29 +56,41 @@ class GcPlan:
     """Files not named by a kept generation that stay for now, with why (an orphan still young)."""
 
 
-class LocalCheckpoint:
-    """A version-3 checkpoint in a local directory."""
+class _Store:
+    """What both stores share: reading through the pointer, committing over it, and ``gc``'s walk. A store says
+    how to read, create, list and remove its files and how to swap its pointer."""
 
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+    where: str
 
-    @property
-    def pointer_path(self) -> Path:
-        return self.root / POINTER_NAME
+    # --- what a store provides ------------------------------------------------------------------------------
 
-    def lock(self) -> Iterator[None]:
-        """The writers' lock: ``.tensorizer-manifest.json.lock`` beside the pointer."""
-        return exclusive_lock(self.root / f".{POINTER_NAME}.lock", self.pointer_path)
+    def _read(self, relative: str) -> bytes | None:
+        raise NotImplementedError
 
-    # --- reading -------------------------------------------------------------------------------------------
+    def _create(self, relative: str, data: bytes) -> bool:
+        """Create the file only if none has that name; False: it existed."""
+        raise NotImplementedError
+
+    def _files(self) -> list[tuple[str, float]]:
+        """Every file under ``generations/``: its path, and when it was last written (the storage's clock)."""
+        raise NotImplementedError
+
+    def _delete(self, relative: str) -> None:
+        raise NotImplementedError
+
+    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
+        """Replace the pointer with ``data`` only if it still names ``parent`` (None: there is none)."""
+        raise NotImplementedError
+
+    def _tidy(self) -> None:
+        """After ``gc`` removed files: what else the store tidies (empty folders)."""
+
+    # --- reading --------------------------------------------------------------------------------------------
 
     def read_pointer(self) -> Pointer | None:
         """The pointer, or None where there is none (a new checkpoint, or one of format version 1 or 2)."""
-        try:
-            data = self.pointer_path.read_bytes()
-        except FileNotFoundError:
-            return None
-        return decode_pointer(data, str(self.pointer_path))
+        data = self._read(POINTER_NAME)
+        return None if data is None else decode_pointer(data, f"{self.where}/{POINTER_NAME}")
 
     def current_generation_id(self) -> str | None:
         pointer = self.read_pointer()
@@ -87,22 +101,21 @@ class LocalCheckpoint:
 
         A document that is gone is a ``CheckpointNotFoundError`` naming the generation: ``gc`` removed it after a
         newer commit, so the caller read an old pointer (read it again)."""
-        path = self.root / generation_document_path(generation_id)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+        relative = generation_document_path(generation_id)
+        data = self._read(relative)
+        if data is None:
             raise CheckpointNotFoundError(
-                f"{self.root}: generation {generation_id} is gone (a newer save was committed and the old one "
+                f"{self.where}: generation {generation_id} is gone (a newer save was committed and the old one "
                 "removed after its grace period); read the checkpoint again"
-            ) from None
+            )
         if expected_hash is not None and blake3_hex(data) != expected_hash:
             raise IntegrityError(
-                f"{path}: its bytes are not the ones the pointer names (damaged, or replaced by hand); "
-                "restore it or save the checkpoint again"
+                f"{self.where}/{relative}: its bytes are not the ones the pointer names (damaged, or replaced by "
+                "hand); restore it or save the checkpoint again"
             )
-        generation = decode_generation(data, str(path))
+        generation = decode_generation(data, f"{self.where}/{relative}")
         if generation.id != generation_id:
-            raise IntegrityError(f"{path}: it says it is generation {generation.id}; the folder is {generation_id}")
+            raise IntegrityError(f"{self.where}/{relative}: it says it is generation {generation.id}")
         return generation
 
     def current(self) -> Generation | None:
@@ -112,17 +125,15 @@ class LocalCheckpoint:
             return None
         return self.read_generation(pointer.generation, pointer.hash)
 
-    # --- writing -------------------------------------------------------------------------------------------
+    # --- writing --------------------------------------------------------------------------------------------
 
     def put(self, relative: str, data: bytes) -> FileRef:
-        """Create ``relative`` with ``data``, atomically and only if no file has that name (writers never replace
-        a file a generation may name). Returns its ``FileRef``."""
-        target = self.root / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not create_only(target, data):
+        """Create ``relative`` with ``data``, only if no file has that name (writers never replace a file a
+        generation may name). Returns its ``FileRef``."""
+        if not self._create(relative, data):
             raise IntegrityError(
-                f"{target}: already exists, and files of a checkpoint are never replaced; each write uses a new "
-                "generation id (this one was used twice)"
+                f"{self.where}/{relative}: already exists, and files of a checkpoint are never replaced; each write "
+                "uses a new generation id (this one was used twice)"
             )
         return FileRef(path=relative, size=len(data), hash=blake3_hex(data))
 
@@ -135,18 +146,16 @@ class LocalCheckpoint:
         self.put(generation_document_path(generation.id), document)
         pointer = pointer_to(generation.id, document)
         _failpoints.pause("before-commit", generation.id)
-        with self.lock():
-            now = self.current_generation_id()
-            if now != generation.parent:
-                raise ConcurrentWriteError(
-                    f"{self.pointer_path}: another writer committed generation {now or 'none'} since this one read "
-                    f"{generation.parent or 'none'}; nothing of this write was committed: read the checkpoint again "
-                    "and re-run it"
-                )
-            replace_atomically(self.pointer_path, encode_pointer(pointer))  # the commit point
+        self._swap_pointer(encode_pointer(pointer), generation.parent)
         return pointer
 
-    # --- gc ------------------------------------------------------------------------------------------------
+    def _refuse(self, now: str | None, parent: str | None) -> ConcurrentWriteError:
+        return ConcurrentWriteError(
+            f"{self.where}/{POINTER_NAME}: another writer committed generation {now or 'none'} since this one read "
+            f"{parent or 'none'}; nothing of this write was committed: read the checkpoint again and re-run it"
+        )
+
+    # --- gc -------------------------------------------------------------------------------------------------
 
     def plan_gc(self, grace_s: float = GRACE_S, orphan_grace_s: float = ORPHAN_GRACE_S, now: float | None = None):
         """What ``gc`` would do now; nothing is removed. A checkpoint without a pointer is refused (typed)."""
@@ -154,8 +163,10 @@ class LocalCheckpoint:
         pointer = self.read_pointer()
         if pointer is None:
             raise CheckpointNotFoundError(
-                f"{self.root}: no {POINTER_NAME}; gc works on checkpoints of format version 3 only"
+                f"{self.where}: no {POINTER_NAME}; gc works on checkpoints of format version 3 only"
             )
+        files = self._files()
+        written = dict(files)
         kept: dict[str, Generation] = {}
         generation: Generation | None = self.read_generation(pointer.generation, pointer.hash)
         while generation is not None:
@@ -163,8 +174,8 @@ class LocalCheckpoint:
             if generation.parent is None:
                 break
             # The parent stopped being current when this generation was committed, just after its document was
-            # written: the document's mtime is when, by this file system's clock.
-            retired = (self.root / generation_document_path(generation.id)).stat().st_mtime
+            # written: the document's timestamp, by the storage's own clock, is when.
+            retired = written.get(generation_document_path(generation.id), now)
             if now - retired >= grace_s:
                 break
             try:
@@ -172,40 +183,138 @@ class LocalCheckpoint:
             except CheckpointNotFoundError:
                 break  # removed by an earlier gc
         keep = {path for g in kept.values() for path in [generation_document_path(g.id), *g.named_paths()]}
-        files, documents, waiting = [], [], {}
-        for folder in sorted((self.root / GENERATIONS_DIR).glob("*")):
-            if not folder.is_dir() or not is_generation_id(folder.name):
+        newest: dict[str, float] = {}
+        for relative, mtime in files:
+            folder = relative.split("/")[1]
+            newest[folder] = max(newest.get(folder, 0.0), mtime)
+        delete, documents, waiting = [], [], {}
+        for relative, _ in files:
+            folder = relative.split("/")[1]
+            if relative in keep or not is_generation_id(folder):
                 continue
-            paths = sorted(p for p in folder.rglob("*") if p.is_file())
-            young = max((p.stat().st_mtime for p in paths), default=0.0) > now - orphan_grace_s
-            committed = (folder / "generation.json").is_file()
-            for path in paths:
-                relative = path.relative_to(self.root).as_posix()
-                if relative in keep:
-                    continue
-                if not committed and young:
-                    waiting[relative] = "not committed, written within the orphan grace period (a writer may be at it)"
-                    continue
-                (documents if path.name == "generation.json" else files).append(relative)
-        return GcPlan(
-            current=pointer.generation, kept_generations=list(kept), delete=files + documents, waiting=waiting
-        )
+            committed = f"{GENERATIONS_DIR}/{folder}/{GENERATION_DOCUMENT}" in written
+            if not committed and newest[folder] > now - orphan_grace_s:
+                waiting[relative] = "not committed, written within the orphan grace period (a writer may be at it)"
+                continue
+            (documents if relative.endswith("/" + GENERATION_DOCUMENT) else delete).append(relative)
+        plan = GcPlan(current=pointer.generation, kept_generations=list(kept), delete=delete + documents)
+        plan.waiting.update(waiting)
+        return plan
 
     def gc(self, plan: GcPlan) -> list[str]:
-        """Remove what ``plan`` says (documents last, so that a ``gc`` killed midway leaves a walk the next one can
-        follow), then the folders it emptied. Returns the paths removed."""
-        removed = []
+        """Remove what ``plan`` says, documents last (a ``gc`` killed midway leaves a walk the next one can follow).
+        Returns the paths removed."""
         for relative in plan.delete:
-            (self.root / relative).unlink(missing_ok=True)
-            removed.append(relative)
-        for folder in sorted((self.root / GENERATIONS_DIR).glob("*/**/"), reverse=True):
-            try:
-                folder.rmdir()  # only if empty
-            except OSError:
-                pass
-        for folder in (self.root / GENERATIONS_DIR).glob("*"):
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-        return removed
+            self._delete(relative)
+        self._tidy()
+        return list(plan.delete)
+
+
+class LocalCheckpoint(_Store):
+    """A version-3 checkpoint in a local directory: the pointer swapped under an ``flock`` by a rename."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.where = str(self.root)
+
+    @property
+    def pointer_path(self) -> Path:
+        return self.root / POINTER_NAME
+
+    def lock(self) -> Iterator[None]:
+        """The writers' lock: ``.tensorizer-manifest.json.lock`` beside the pointer."""
+        return exclusive_lock(self.root / f".{POINTER_NAME}.lock", self.pointer_path)
+
+    def _read(self, relative: str) -> bytes | None:
+        try:
+            return (self.root / relative).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _create(self, relative: str, data: bytes) -> bool:
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return create_only(target, data)
+
+    def _files(self) -> list[tuple[str, float]]:
+        base = self.root / GENERATIONS_DIR
+        if not base.is_dir():
+            return []
+        return sorted(
+            (path.relative_to(self.root).as_posix(), path.stat().st_mtime)
+            for path in base.rglob("*")
+            if path.is_file() and not path.name.startswith(".")
+        )
+
+    def _delete(self, relative: str) -> None:
+        (self.root / relative).unlink(missing_ok=True)
+
+    def _tidy(self) -> None:
+        for folder in sorted((self.root / GENERATIONS_DIR).glob("**/"), key=lambda p: len(p.parts), reverse=True):
+            if folder != self.root / GENERATIONS_DIR:
+                try:
+                    folder.rmdir()  # only if empty
+                except OSError:
+                    pass
+
+    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
+        with self.lock():
+            now = self.current_generation_id()
+            if now != parent:
+                raise self._refuse(now, parent)
+            replace_atomically(self.pointer_path, data)  # the commit point
+
+
+class S3Checkpoint(_Store):
+    """A version-3 checkpoint under an ``s3://`` prefix: new keys created with ``If-None-Match: *``, the pointer
+    replaced with ``If-Match`` on the ETag of the version read (``If-None-Match: *`` for the first), on a server
+    whose conditional writes were probed (``remote.probe_conditional_writes``)."""
+
+    def __init__(self, root: RemoteDir, allow_unconditional_writes: bool = False):
+        self.root = root
+        self.where = str(root)
+        self.allow_unconditional_writes = allow_unconditional_writes
+        self._pointer_etag: dict[str | None, str | None] = {}
+
+    def _read(self, relative: str) -> bytes | None:
+        target = self.root / relative
+        try:
+            data = target.read_bytes(64 << 20)
+        except RemoteNotFoundError:
+            return None
+        if relative == POINTER_NAME:  # the version a commit over it replaces
+            self._pointer_etag[decode_pointer(data, str(target)).generation] = target.etag
+        return data
+
+    def _create(self, relative: str, data: bytes) -> bool:
+        probe_conditional_writes(self.root, self.allow_unconditional_writes)
+        try:
+            (self.root / relative).put_if(data, None)
+        except ConcurrentWriteError:
+            return False
+        return True
+
+    def upload(self, relative: str, source: Path) -> None:
+        """A large new file (a tensor file) under a key no generation names yet: tensorizer's upload, which
+        sets no condition; the key carries this write's generation id, so no other writer uses it."""
+        probe_conditional_writes(self.root, self.allow_unconditional_writes)
+        (self.root / relative).upload(source)
+
+    def _files(self) -> list[tuple[str, float]]:
+        prefix = GENERATIONS_DIR + "/"
+        return [(name, mtime) for name, mtime in list_objects(self.root) if name.startswith(prefix)]
+
+    def _delete(self, relative: str) -> None:
+        (self.root / relative).delete()
+
+    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
+        probe_conditional_writes(self.root, self.allow_unconditional_writes)
+        if parent is not None and parent not in self._pointer_etag:
+            self.read_pointer()  # the ETag of the version that names the parent, if it still does
+        etag = None if parent is None else self._pointer_etag.get(parent)
+        if parent is not None and etag is None:
+            raise self._refuse(self.current_generation_id(), parent)
+        try:
+            (self.root / POINTER_NAME).put_if(data, etag)  # the commit point
+        except ConcurrentWriteError:
+            raise self._refuse(self.current_generation_id(), parent) from None

@@ -53,6 +53,7 @@ from .._constants import STALL_TIMEOUT_ENV
 from ..errors import (
     ConcurrentWriteError,
     ConfigurationError,
+    IntegrityError,
     RemoteAccessError,
     RemoteChangedError,
     RemoteNotFoundError,
@@ -61,8 +62,13 @@ from ..errors import (
     RemoteThrottledError,
     RemoteUnreachableError,
     TensorizerManifestError,
+    UnsafeStorageError,
 )
-from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
+from ..format.generation import POINTER_NAME, decode_pointer, generation_named
+from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, blake3_hex
+
+#: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
+_MAX_DOCUMENT_BYTES = 64 << 20
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -137,9 +143,10 @@ def is_remote(location: object) -> bool:
 
 
 def is_model_file(name: str) -> bool:
-    """A config, tokenizer or other non-weight file of a model directory (not a manifest, not hidden)."""
+    """A config, tokenizer or other non-weight file of a model directory (not a manifest, a pointer, hidden)."""
     return not (
         name.startswith(".")
+        or name == POINTER_NAME
         or name.endswith(WEIGHT_SUFFIXES)
         or name in WEIGHT_INDEXES
         or name.endswith(MANIFEST_SUFFIX)
@@ -844,28 +851,44 @@ class RemoteFile:
         except Exception as exc:
             raise self._error(exc, "uploading it") from None
 
-    def upload_if(self, source: Path, replaces: str | None) -> None:
-        """Write a small local file (a manifest) to this S3 object only if the object is still the version the
-        writer started from: ETag ``replaces``, or none at all when ``replaces`` is None (S3's conditional
-        writes, ``If-Match`` / ``If-None-Match: *``). Otherwise ``ConcurrentWriteError``, and nothing is written.
-        A server that ignores the conditions writes unconditionally: the last writer wins (docs/design.md)."""
+    def put_bytes(self, body: bytes) -> None:
+        """Write ``body`` (small: one request) to this S3 object, whatever is there (the top level's copies of a
+        generation's model files: never what a load trusts)."""
         if self.scheme != "s3":
             raise ConfigurationError(f"{self.uri}: only s3:// checkpoints can be written; http(s) is read-only")
         bucket, key = self._bucket_key()
-        body = Path(source).read_bytes()
+        client = self._retrying("uploading it", lambda: _s3_client(_resolve(self.options, write=True)))
+        self._retrying("uploading it", lambda: client.put_object(Bucket=bucket, Key=key, Body=body))
+
+    def upload_if(self, source: Path, replaces: str | None) -> None:
+        """Write a small local file (a manifest) to this S3 object only if the object is still the version the
+        writer started from: ``put_if`` with the file's bytes."""
+        self.put_if(Path(source).read_bytes(), replaces)
+
+    def put_if(self, body: bytes, replaces: str | None) -> str | None:
+        """Write ``body`` (small: one request) to this S3 object only if the object is still the version the writer
+        started from: ETag ``replaces``, or none at all when ``replaces`` is None (create only) (S3's conditional
+        writes, ``If-Match`` / ``If-None-Match: *``). Otherwise ``ConcurrentWriteError``, and nothing is written.
+        Returns the new version's ETag. A server that ignores the conditions writes unconditionally: the last
+        writer wins (``probe_conditional_writes`` finds such a server before a checkpoint is written)."""
+        if self.scheme != "s3":
+            raise ConfigurationError(f"{self.uri}: only s3:// checkpoints can be written; http(s) is read-only")
+        bucket, key = self._bucket_key()
         condition = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
         client = self._retrying("uploading it", lambda: _s3_client(_resolve(self.options, write=True)))
+        written: dict[str, str | None] = {}
 
         def put() -> bool:  # False: the condition failed (another writer's version is there)
             import botocore.exceptions
 
             try:
-                client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
+                answer = client.put_object(Bucket=bucket, Key=key, Body=body, **condition)
             except botocore.exceptions.ClientError as exc:
                 code, status = _answer(exc)
                 if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
                     return False
                 raise
+            written["etag"] = answer.get("ETag")
             return True
 
         if not self._retrying("uploading it", put):
@@ -874,6 +897,7 @@ class RemoteFile:
                 + ("there was none then" if replaces is None else f"ETag {replaces} then")
                 + "); nothing of this write was committed: read the checkpoint again and re-run it"
             )
+        return written.get("etag")
 
     def current_etag(self) -> str | None:
         """The object's ETag now (a HEAD; None when there is none): what a conditional write replaces."""
@@ -947,6 +971,60 @@ class RemoteDir:
         return sorted(n for n in here._retrying("listing it", listing) if n and "/" not in n)
 
 
+def list_objects(location: RemoteDir) -> list[tuple[str, float]]:
+    """Every object under the prefix, at any depth: (its name below the prefix, its ``LastModified`` as seconds
+    since the epoch, by the server's clock) (S3 only)."""
+    if location.scheme != "s3":
+        raise ConfigurationError(f"{location.uri}: an http(s) location cannot be listed; name the file instead")
+    _, bucket, path = _check_uri(location.uri)
+    prefix = path.strip("/") + "/" if path.strip("/") else ""
+    here = RemoteFile(location.uri, location.options)
+
+    def listing() -> list[tuple[str, float]]:
+        found: list[tuple[str, float]] = []
+        paginator = _s3_client(_resolve(location.options)).get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+            found += [
+                (item["Key"][len(prefix) :], item["LastModified"].timestamp()) for item in page.get("Contents", ())
+            ]
+        return found
+
+    return sorted(here._retrying("listing it", listing))
+
+
+#: Endpoints and buckets whose conditional writes were probed in this process, and what the probe found.
+_PROBED: dict[tuple[str | None, str], bool] = {}
+
+
+def probe_conditional_writes(location: RemoteDir, allow_unconditional: bool = False) -> None:
+    """Refuse to write where the server ignores conditional writes (``UnsafeStorageError``), unless
+    ``allow_unconditional``: a second ``If-None-Match: *`` PUT of a scratch key under the prefix, and an
+    ``If-Match`` PUT with a wrong ETag, must both be refused. Once per endpoint and bucket in a process."""
+    _, bucket, _ = _check_uri(location.uri)
+    endpoint = _resolve(location.options, write=True).endpoint
+    if (endpoint, bucket) not in _PROBED:
+        scratch = location / f".tensorizer-manifest-probe-{os.urandom(8).hex()}"
+        scratch.put_if(b"probe", None)
+        honoured = True
+        try:
+            for replaces in (None, '"00000000000000000000000000000000"'):
+                try:
+                    scratch.put_if(b"probe again", replaces)
+                    honoured = False
+                except ConcurrentWriteError:
+                    pass
+        finally:
+            scratch.delete()
+        _PROBED[(endpoint, bucket)] = honoured
+    if not _PROBED[(endpoint, bucket)] and not allow_unconditional:
+        raise UnsafeStorageError(
+            f"{location.uri}: this S3 server ({endpoint or 'the default endpoint'}) ignores conditional writes "
+            "(If-Match, If-None-Match), so two writers of one checkpoint could silently undo each other; nothing was "
+            "written. Use a server that honours them, or pass allow_unconditional_writes "
+            "(--allow-unconditional-writes) to accept that the last writer wins"
+        )
+
+
 def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | None = None) -> RemoteFile | RemoteDir:
     """A URI as a file (its name ends in ``.manifest.json`` or ``.tensors``) or as a checkpoint prefix."""
     if isinstance(location, RemoteFile | RemoteDir):
@@ -960,7 +1038,9 @@ def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | N
 # -- whole checkpoints ------------------------------------------------------------------------------------------
 
 
-def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None = None) -> list[str]:
+def upload_checkpoint(
+    local_dir: Path, uri: str, options: RemoteOptions | None = None, allow_unconditional_writes: bool = False
+) -> list[str]:
     """Upload a saved checkpoint: tensor files first, then config and tokenizer files, manifests last.
 
     So a reader that finds a manifest finds its tensor file beside it. Then the tensor files an earlier
@@ -970,6 +1050,12 @@ def upload_checkpoint(local_dir: Path, uri: str, options: RemoteOptions | None =
     target = RemoteDir(uri, options or RemoteOptions())
     if target.scheme != "s3":
         raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    if (Path(local_dir) / "tensorizer-manifest.json").is_file():
+        raise ConfigurationError(
+            f"{local_dir}: a checkpoint of format version 3; save it to {uri} directly "
+            "(`tensorizer-manifest save SRC s3://... --format-version 3`), which commits its generation there"
+        )
+    probe_conditional_writes(target, allow_unconditional_writes)
     files = sorted(p for p in Path(local_dir).iterdir() if p.is_file() and not p.name.startswith("."))
     tensors = [p for p in files if p.name.endswith(TENSORS_SUFFIX)]
     manifests = [p for p in files if p.name.endswith(MANIFEST_SUFFIX)]
@@ -1011,6 +1097,8 @@ def fetch_model_files(uri: str, cache_dir: str | os.PathLike, options: RemoteOpt
     location = RemoteDir(uri, options or RemoteOptions())
     cache = Path(cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
+    if _fetch_generation_model_files(location, cache):
+        return cache
     fetched = []
     for name in model_file_names(location):
         try:
@@ -1023,3 +1111,27 @@ def fetch_model_files(uri: str, cache_dir: str | os.PathLike, options: RemoteOpt
     if "config.json" not in fetched:
         raise RemoteNotFoundError(f"{location}: no config.json there; is it a checkpoint saved with its config?")
     return cache
+
+
+def _fetch_generation_model_files(location: RemoteDir, cache: Path) -> bool:
+    """A checkpoint of format version 3: its current generation's own model files, each checked against the hash
+    the generation records (the copies at the top are never trusted). False: no pointer there (versions 1, 2)."""
+    pointer_file = location / POINTER_NAME
+    try:
+        pointer = decode_pointer(pointer_file.read_bytes(_MAX_DOCUMENT_BYTES), str(pointer_file))
+    except RemoteNotFoundError:
+        return False
+    document = location / pointer.document
+    generation = generation_named(pointer, document.read_bytes(_MAX_DOCUMENT_BYTES), str(document))
+    for model_file in generation.model_files:
+        source = location / model_file.file.path
+        data = source.read_bytes(_MAX_DOCUMENT_BYTES)
+        if blake3_hex(data) != model_file.file.hash:
+            raise IntegrityError(
+                f"{source}: not the bytes generation {generation.id} records for {model_file.name} (damaged, or "
+                "replaced): save the checkpoint again"
+            )
+        tmp = cache / f".{model_file.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, cache / model_file.name)
+    return True

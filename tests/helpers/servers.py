@@ -425,7 +425,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():  # Host too, untouched: signatures still verify
                     if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                        upstream.putheader(name, value)
+                        conditional = name.lower() in ("if-match", "if-none-match") and self.command == "PUT"
+                        if not (conditional and self.proxy.ignore_conditions):
+                            upstream.putheader(name, value)
                 if body or self.command in ("PUT", "POST"):
                     upstream.putheader("Content-Length", str(len(body)))
                 upstream.endheaders(body or None)
@@ -539,10 +541,12 @@ class FaultProxy:
     be added while it runs (``add``). Stopped, nothing of it is left running.
     """
 
-    def __init__(self, upstream: MotoS3 | str, faults: list[Fault] | None = None):
+    def __init__(self, upstream: MotoS3 | str, faults: list[Fault] | None = None, ignore_conditions: bool = False):
         endpoint = upstream if isinstance(upstream, str) else upstream.endpoint
         self.upstream_port = int(endpoint.rsplit(":", 1)[1].rstrip("/"))
         self.faults: list[Fault] = list(faults or [])
+        self.ignore_conditions = ignore_conditions
+        """Drop ``If-Match`` and ``If-None-Match`` from writes: a server that ignores conditional writes."""
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()

@@ -177,3 +177,161 @@ def test_the_loser_of_two_saves_leaves_no_file_of_its_own_where_loaders_look(tmp
     assert (root / "config.json").read_bytes() == (source / "config.json").read_bytes()  # the winner's
     assert LocalCheckpoint(root).current_generation_id() == winner.generation_id
     assert (loser.folder / "config.json").is_file()  # the loser's own, in its uncommitted folder (gc's, later)
+
+
+# -- S3 (moto on 127.0.0.1) ----------------------------------------------------------------------------------------
+
+
+def _s3(server):
+    import uuid
+
+    from helpers.servers import BUCKET
+
+    from tensorizer_manifest.storage.remote import RemoteOptions
+
+    return f"s3://{BUCKET}/gen-{uuid.uuid4().hex[:8]}", RemoteOptions(server.key_id, server.secret, server.endpoint)
+
+
+def _stage(tmp_path, source, seed, stems=("model",)):
+    staging = tmp_path / f"staging-{seed}"
+    publication = publish.begin(staging, g.new_generation_id())
+    manifests = [write_checkpoint(make_capture(seed + i), publication.folder, stem) for i, stem in enumerate(stems)]
+    layout = g.Layout(tp=len(stems))
+    ranks = [publish.rank_entry(publication, stem) for stem in stems]
+    publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(layout, manifests[0].fingerprint, ranks)],
+        model_files=publish.copy_model_files(publication, source),
+    )
+    return staging
+
+
+def test_a_generation_on_s3_loads_through_its_pointer_and_fetch_takes_its_own_model_files(moto_s3, tmp_path, source):
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir, fetch_model_files
+
+    uri, options = _s3(moto_s3)
+    first = publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+    second = publish.publish_to_s3(_stage(tmp_path, source, 1), uri, options)
+    assert first.parent is None and second.parent == first.id
+    store = S3Checkpoint(RemoteDir(uri, options))
+    assert store.current() == second
+    manifest, path = load_manifest(uri, remote=options)
+    assert str(path) == f"{uri}/{second.form_sets[0].ranks[0].manifest.path}"
+    report = validate_checkpoint(uri, remote=options)
+    assert report.ok, report.problems
+    (RemoteDir(uri, options) / "tokenizer.json").put_bytes(b'{"another": "save"}')  # a stale copy at the top
+    cache = fetch_model_files(uri, tmp_path / "cache", options)
+    assert sorted(p.name for p in cache.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (cache / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()  # the generation's
+
+
+_RACING_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[4])
+from pathlib import Path
+from tensorizer_manifest.save.publish import publish_to_s3
+from tensorizer_manifest.storage.remote import RemoteOptions
+from tensorizer_manifest.errors import ConcurrentWriteError
+try:
+    publish_to_s3(Path(sys.argv[1]), sys.argv[2], RemoteOptions(*sys.argv[3].split(",")))
+    print("committed")
+except ConcurrentWriteError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_two_re_saves_on_s3_one_commits_the_other_commits_nothing(moto_s3, tmp_path, source):
+    """Writer A, a process of its own, uploads its generation and pauses before its pointer PUT; writer B commits
+    to completion; released, A's conditional PUT fails: ConcurrentWriteError, nothing of A's where loaders look."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir
+
+    uri, options = _s3(moto_s3)
+    base = publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+    other = tmp_path / "other-source"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}\n')
+    staged_a, staged_b = _stage(tmp_path, other, 1), _stage(tmp_path, source, 2)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    tests = str(Path(__file__).resolve().parents[1])
+    credentials = ",".join((options.access_key_id, options.secret_access_key, options.endpoint))
+    writer_a = subprocess.Popen(
+        [sys.executable, "-c", _RACING_WRITER, str(staged_a), uri, credentials, tests],
+        env={**os.environ, "TENSORIZER_MANIFEST_PAUSE_AT": f"before-commit:{gate}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(gate.glob("before-commit.*.reached")):
+            assert writer_a.poll() is None and time.monotonic() < deadline, writer_a.stdout.read()
+            time.sleep(0.05)
+        b = publish.publish_to_s3(staged_b, uri, options)  # B commits while A holds its generation
+    finally:
+        (gate / "before-commit.release").touch()
+        output, _ = writer_a.communicate(timeout=120)
+    assert "refused:" in output and "another writer committed generation" in output, output
+    store = S3Checkpoint(RemoteDir(uri, options))
+    assert store.current().id == b.id and b.parent == base.id
+    top = RemoteDir(uri, options) / "config.json"
+    assert top.read_bytes() == (source / "config.json").read_bytes()  # B's, never the loser's
+    report = validate_checkpoint(uri, remote=options)
+    assert report.ok, report.problems
+
+
+def test_a_sharded_s3_commit_whose_rank_upload_fails_commits_nothing(moto_s3, tmp_path, source, monkeypatch):
+    from tensorizer_manifest.errors import RemoteStorageError
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir
+
+    uri, options = _s3(moto_s3)
+    stems = ("model-tp0-of-2", "model-tp1-of-2")
+    base = publish.publish_to_s3(_stage(tmp_path, source, 0, stems), uri, options)
+    before = {stem: load_manifest(uri, stem, remote=options)[0] for stem in stems}
+    put = S3Checkpoint.put
+
+    def failing_put(self, relative, data):
+        if "model-tp1-of-2" in relative:
+            raise RemoteStorageError(f"{relative}: uploading it failed (the connection was reset)")
+        return put(self, relative, data)
+
+    monkeypatch.setattr(S3Checkpoint, "put", failing_put)
+    with pytest.raises(RemoteStorageError, match="model-tp1-of-2"):
+        publish.publish_to_s3(_stage(tmp_path, source, 5, stems), uri, options)
+    monkeypatch.undo()
+    assert S3Checkpoint(RemoteDir(uri, options)).current_generation_id() == base.id
+    for stem in stems:  # every rank still reads the one save it had, whole
+        assert load_manifest(uri, stem, remote=options)[0] == before[stem]
+        report = validate_checkpoint(f"{uri}/{stem}.manifest.json", remote=options)
+        assert report.ok, report.problems
+
+
+def test_a_server_that_ignores_conditional_writes_is_refused_unless_accepted(moto_s3, tmp_path, source):
+    from helpers.servers import FaultProxy
+
+    from tensorizer_manifest.errors import UnsafeStorageError
+    from tensorizer_manifest.storage import remote
+    from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions
+
+    with FaultProxy(moto_s3, ignore_conditions=True) as proxy:
+        uri, _ = _s3(moto_s3)
+        options = RemoteOptions(moto_s3.key_id, moto_s3.secret, proxy.url)
+        with pytest.raises(UnsafeStorageError, match="ignores conditional writes") as refused:
+            publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+        assert proxy.url in str(refused.value) and moto_s3.secret not in str(refused.value)
+        assert [n for n in RemoteDir(uri, options).list_names()] == []  # nothing written, the probe removed
+        generation = publish.publish_to_s3(_stage(tmp_path, source, 1), uri, options, allow_unconditional_writes=True)
+        assert load_manifest(uri, remote=options)[0].tensor_file.digest
+        assert generation.parent is None
+    assert remote.probe_conditional_writes(RemoteDir(uri, RemoteOptions(moto_s3.key_id, moto_s3.secret,
+                                                                        moto_s3.endpoint))) is None  # fmt: skip
