@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import IntegrityError
+from ..errors import CheckpointNotFoundError, ConfigurationError, IntegrityError, TensorizerManifestError
 from ..format.generation import Generation
 from ..format.schema import EncryptionKey, Manifest, SigningKey, blake3_hex
 from .seal import check_generation_seal
+
+#: A model file read whole by ``validate`` is refused above this (config and tokenizer files are small).
+MAX_MODEL_FILE_BYTES = 64 << 20
 
 
 def check_generation(
@@ -40,3 +43,42 @@ def check_generation(
                 "or edited): vLLM read it, and the weights would run with it. Start vLLM with the checkpoint itself "
                 "as its model, or copy the checkpoint's model files again (`tensorizer-manifest fetch`)"
             )
+
+
+def generation_problems(
+    root: object,
+    generation: Generation,
+    manifest: Manifest,
+    signing_key: SigningKey | None,
+    encryption_key: EncryptionKey | None,
+) -> tuple[list[tuple[type, str, str]], list[str]]:
+    """What ``validate`` finds in a generation besides its rank manifest, as (problems, warnings): its seal, each
+    model file of its own against its hash, and (a warning: loads from there would be refused) a copy at the top
+    of a local checkpoint that is not the generation's. ``root``: the checkpoint (a ``Path`` or a ``RemoteDir``)."""
+    problems: list[tuple[type, str, str]] = []
+    warnings: list[str] = []
+    where = f"{root}: generation {generation.id}"
+    sealed = check_generation_seal(generation, manifest.tensor_file.encryption != "none", signing_key, encryption_key)
+    if sealed is not None:
+        if sealed[0] is ConfigurationError:
+            warnings.append(f"{where}: the seal was not checked: {sealed[1]}")
+        else:
+            problems.append((sealed[0], where, sealed[1]))
+    for model_file in generation.model_files:
+        location = root / model_file.file.path  # type: ignore[operator]
+        try:
+            data = (
+                location.read_bytes(MAX_MODEL_FILE_BYTES) if not isinstance(location, Path) else location.read_bytes()
+            )
+        except (OSError, TensorizerManifestError) as exc:
+            problems.append((CheckpointNotFoundError, str(location), f"the model file the generation names: {exc}"))
+            continue
+        if blake3_hex(data) != model_file.file.hash:
+            problems.append((IntegrityError, str(location), f"not the bytes generation {generation.id} records"))
+        top = root / model_file.name  # type: ignore[operator]
+        if isinstance(top, Path) and top.is_file() and top.read_bytes() != data:
+            warnings.append(
+                f"{top}: not the current generation's {model_file.name}; a load with this directory as vLLM's model "
+                "is refused until the next save refreshes it (or copy it from the generation)"
+            )
+    return problems, warnings

@@ -36,7 +36,9 @@ from ..errors import (
     RemoteStorageError,
     TensorizerManifestError,
 )
+from ..format.generation import Generation
 from ..format.schema import (
+    MANIFEST_SUFFIX,
     EncryptionKey,
     Manifest,
     SigningKey,
@@ -46,15 +48,18 @@ from ..format.schema import (
 from ..progress import ProgressCallback
 from ..storage.checkpoint import (
     FileLocation,
+    checkpoint_root,
     encryption_key_from,
+    load_generation,
     load_manifest,
     read_manifest,
     resolve_tensor_file,
     signing_key_from,
 )
-from ..storage.remote import RemoteFile, RemoteOptions
+from ..storage.remote import RemoteFile, RemoteOptions, as_remote, is_remote
 from ..storage.tensor_file import TensorFileReader
 from .fingerprint import settings_differences
+from .generation_files import generation_problems
 from .records import check_added_forms, check_manifest
 from .report import Problem, ValidationReport
 from .seal import check_encryption, seal_needs_encryption_key, unsealed_warning
@@ -222,6 +227,19 @@ def _check_manifest_for_loading(
     return by_key, form_problems, forms_by_key
 
 
+def _generation_of(path: str | Path | RemoteFile, remote: RemoteOptions | None) -> tuple[object, Generation] | None:
+    """The checkpoint and current generation ``validate``'s ``path`` names (format version 3; None otherwise):
+    its directory or prefix, or a rank's name at the top of it."""
+    root = checkpoint_root(path, remote)
+    if root is None and str(path).endswith(MANIFEST_SUFFIX):
+        named = as_remote(path, remote) if is_remote(path) else Path(path)  # type: ignore[arg-type]
+        root = named.parent
+    if root is None:
+        return None
+    found = load_generation(root)
+    return None if found is None else (root, found[0])
+
+
 def validate_checkpoint(
     path: str | Path | RemoteFile,
     *,
@@ -253,6 +271,15 @@ def validate_checkpoint(
     problems, by_key = check_manifest(
         manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
     )
+    generation_warnings = []
+    try:
+        current = _generation_of(path, remote)
+    except TensorizerManifestError as exc:
+        current = None
+        problems.append(Problem(type(exc), str(path), str(exc)))
+    if current is not None:
+        found, generation_warnings = generation_problems(*current, manifest, signing_key, encryption_key)
+        problems += [Problem(kind, where, message) for kind, where, message in found]
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
     # a form another version wrote, which this one does not use, is not damage: loaders skip it
     other_version = [p for found in form_problems for p in found if p.kind is ManifestVersionError]
@@ -263,6 +290,7 @@ def validate_checkpoint(
     warning = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
     warnings = [f"{manifest_path}: {warning}"] if warning else []
     warnings += [f"{p}; loaders skip it" for p in other_version]
+    warnings += generation_warnings
     if unchecked_seal:
         warnings.append(
             f"{manifest_path}: the seal was not checked: it is keyed from the encryption key; "

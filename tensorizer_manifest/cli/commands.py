@@ -128,6 +128,7 @@ def inspect(location: str, json: bool, **remote) -> None:
         sys.stdout.buffer.write(as_json(manifest) + b"\n")
     else:
         render(manifest, str(manifest_path), console())
+        _say_generation(path, remote)
         if not isinstance(path, Path) or not isinstance(manifest_path, Path):
             return
         others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
@@ -136,6 +137,23 @@ def inspect(location: str, json: bool, **remote) -> None:
                 f"(this directory holds {len(others) + 1} rank manifests; "
                 f"inspect the others by file: {', '.join(others)})"
             )
+
+
+def _say_generation(path, remote: dict) -> None:
+    """For a checkpoint of format version 3: which generation was shown, and what it holds."""
+    from ..storage.checkpoint import checkpoint_root, load_generation
+
+    root = checkpoint_root(path, _remote(**remote))
+    found = None if root is None else load_generation(root)
+    if found is None:
+        return
+    generation = found[0]
+    layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp} ({len(s.ranks)} ranks)" for s in generation.form_sets)
+    console().print(
+        f"generation {generation.id} ({generation.made_by}; over {generation.parent or 'nothing'}): {layouts}; "
+        f"model files {', '.join(m.name for m in generation.model_files) or 'none'}",
+        highlight=False,
+    )
 
 
 @app.command()

@@ -54,3 +54,30 @@ def test_the_generation_s_seal_is_checked_with_the_keys(tmp_path):
     unsealed = msgspec.structs.replace(sealed, seal=None)
     with pytest.raises(IntegrityError, match="not sealed"):
         check_generation(unsealed, MANIFEST, None, None, tmp_path)
+
+
+def test_validate_reports_a_generation_s_damaged_model_file_and_warns_of_a_stale_copy_at_the_top(tmp_path):
+    from helpers.synthetic import write_synthetic_checkpoint
+
+    from tensorizer_manifest.checks.validate import validate_checkpoint
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.save.write import write_checkpoint
+
+    source = write_synthetic_checkpoint(tmp_path / "source")  # a config.json to copy
+    root = tmp_path / "ckpt"
+    publication = publish.begin(root, g.new_generation_id())
+    manifest = write_checkpoint(make_capture(), publication.folder, "model")
+    generation = publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(g.Layout(), manifest.fingerprint, [publish.rank_entry(publication, "model")])],
+        model_files=publish.copy_model_files(publication, source),
+    )
+    assert validate_checkpoint(root).ok
+    (root / "config.json").write_text('{"architectures": ["Another"]}')  # a stale copy at the top
+    report = validate_checkpoint(root)
+    assert report.ok and any("not the current generation's config.json" in w for w in report.warnings)
+    (root / generation.model_files[0].file.path).write_text("{}")  # the generation's own copy damaged
+    report = validate_checkpoint(root)
+    assert not report.ok
+    assert any(p.kind is IntegrityError and "config.json" in p.where for p in report.problems), report.problems

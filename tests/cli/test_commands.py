@@ -315,3 +315,27 @@ def test_gc_of_a_format_2_checkpoint_is_one_clear_line(tmp_path):
     proc = run("gc", str(tmp_path))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "format version 3" in proc.stderr
+
+
+def test_inspect_and_validate_name_the_generation_of_a_format_3_checkpoint(tmp_path):
+    from helpers.synthetic import make_capture, write_synthetic_checkpoint
+
+    from tensorizer_manifest.format import generation as g
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.save.write import write_checkpoint
+
+    source = write_synthetic_checkpoint(tmp_path / "source")
+    root = tmp_path / "ckpt"
+    publication = publish.begin(root, g.new_generation_id())
+    manifest = write_checkpoint(make_capture(), publication.folder, "model")
+    publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(g.Layout(), manifest.fingerprint, [publish.rank_entry(publication, "model")])],
+        model_files=publish.copy_model_files(publication, source),
+    )
+    shown = run("inspect", str(root))
+    assert shown.returncode == 0, shown.stderr
+    assert f"generation {publication.generation_id} (save; over nothing): tp=1 pp=1 (1 ranks)" in shown.stdout
+    checked = run("validate", str(root), "--json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
