@@ -240,10 +240,8 @@ class LocalCheckpoint(_Store):
         base = self.root / GENERATIONS_DIR
         if not base.is_dir():
             return []
-        return sorted(
-            (path.relative_to(self.root).as_posix(), path.stat().st_mtime)
-            for path in base.rglob("*")
-            if path.is_file() and not path.name.startswith(".")
+        return sorted(  # hidden files too: the writers' lock files and temporaries go with their folder
+            (path.relative_to(self.root).as_posix(), path.stat().st_mtime) for path in base.rglob("*") if path.is_file()
         )
 
     def _delete(self, relative: str) -> None:

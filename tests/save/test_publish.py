@@ -335,3 +335,67 @@ def test_a_server_that_ignores_conditional_writes_is_refused_unless_accepted(mot
         assert generation.parent is None
     assert remote.probe_conditional_writes(RemoteDir(uri, RemoteOptions(moto_s3.key_id, moto_s3.secret,
                                                                         moto_s3.endpoint))) is None  # fmt: skip
+
+
+def test_an_add_form_over_a_generation_an_identical_re_save_replaced_commits_nothing(tmp_path, source):
+    """The ABA of version 2: a deterministic re-save writes byte-identical manifests, and an add-form that started
+    before it compared a content hash and passed, then named a file the re-save had deleted. Here the re-save is
+    a new generation (a new id), so the add-form's commit over the old one is refused, and the checkpoint is whole."""
+    root = tmp_path / "ckpt"
+    saved = _save(root, source, seed=0)
+    loaded, _ = load_manifest(root)  # the add-form's engine loaded this generation
+    resaved = _save(root, source, seed=0)  # the same source again: the same manifest bytes
+    assert load_manifest(root)[0] == loaded and resaved.id != saved.id
+    publication = publish.begin(root, g.new_generation_id(), parent=saved.id, read_parent=False)
+    write_added_form(experts_form_capture(), root, "model", loaded, into=publication.folder)
+    with pytest.raises(ConcurrentWriteError, match=saved.id):
+        publish.commit(
+            publication,
+            made_by="add-form",
+            form_sets=publish.with_new_manifests(publication, saved),
+            model_files=saved.model_files,
+        )
+    assert LocalCheckpoint(root).current_generation_id() == resaved.id
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+
+
+_GC_FOREVER = """
+import sys
+from tensorizer_manifest.storage.generations import LocalCheckpoint
+store = LocalCheckpoint(sys.argv[1])
+print("ready", flush=True)
+while True:
+    store.gc(store.plan_gc(grace_s=0, orphan_grace_s=0))
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2])
+def test_kill_9_during_gc_leaves_a_checkpoint_that_loads(tmp_path, source, delay):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = tmp_path / "ckpt"
+    for seed in range(6):  # five retired generations for gc to remove, file by file
+        _save(root, source, seed=seed, fallbacks=False)
+    current = LocalCheckpoint(root).current()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _GC_FOREVER, str(root)], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    try:
+        assert worker.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+    assert LocalCheckpoint(root).current() == current
+    assert all((root / path).is_file() for path in current.named_paths())
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+    store = LocalCheckpoint(root)
+    store.gc(store.plan_gc(grace_s=0, orphan_grace_s=0))  # and the next gc finishes the work
+    assert sorted(p.name for p in (root / "generations").iterdir()) == [current.id]
