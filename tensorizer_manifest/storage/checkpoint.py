@@ -386,6 +386,24 @@ def load_generation(root: Path | RemoteDir, pointer: Pointer | None = None) -> t
     return generation, pointer
 
 
+def pinned_generation(location: Path | RemoteDir) -> tuple[Path | RemoteDir, Generation] | None:
+    """A generation's own folder given as the checkpoint (``CKPT/generations/<id>``: vLLM's ``model`` can be it, so
+    that everything vLLM reads is that generation's, immutable): the checkpoint and that generation, its document
+    read from the folder (its seal is checked at load); None for any other location."""
+    *head, generations, folder = str(location).rstrip("/").split("/")
+    if generations != GENERATIONS_DIR or not is_generation_id(folder) or not head:
+        return None
+    root = RemoteDir("/".join(head), location.options) if isinstance(location, RemoteDir) else Path("/".join(head))
+    document = location / GENERATION_DOCUMENT
+    data = _read_bounded(document, "generation document")
+    if data is None:
+        return None
+    generation = decode_generation(data, str(document))
+    if generation.id != folder:
+        raise IntegrityError(f"{document}: it says it is generation {generation.id}; its folder is {folder}")
+    return root, generation
+
+
 def rank_of(generation: Generation, stem: str | None, where: object) -> RankRef:
     """A rank's entry in the generation's form sets (``stem`` None: the first rank of the first set). A rank the
     generation has no manifest for is a ``CompatibilityError`` naming the layouts it holds."""

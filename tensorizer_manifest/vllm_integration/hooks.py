@@ -43,6 +43,7 @@ from ..storage.checkpoint import (
     load_generation,
     load_manifest,
     no_manifest_error,
+    pinned_generation,
     read_pointer,
     signing_key_from,
 )
@@ -52,7 +53,7 @@ from ..storage.options import (
     from_tensorizer_config_names,
     tensorizer_config_options,
 )
-from ..storage.remote import CREDENTIAL_OPTIONS
+from ..storage.remote import CREDENTIAL_OPTIONS, RemoteDir
 
 _CAPTURE_ATTR = "_tensorizer_manifest_capture"
 _REPORT_ATTR = "_tensorizer_manifest_report"
@@ -247,11 +248,15 @@ _POINTER_BYTES = 1024
 _NO_POINTER, _NO_READ = b"-", b"!"
 
 
-def agreed_generation(checkpoint: str, options: LoadOptions) -> Generation | None:
-    """The generation every rank of this engine reads: the first rank reads the pointer and broadcasts it
-    (``_vllm_compat.first_rank_bytes``), so a save committed while the ranks start is read by all or by none.
-    None: the checkpoint has no pointer (format version 1 or 2). Every rank must call it."""
+def agreed_generation(checkpoint: str, options: LoadOptions) -> tuple[Path | RemoteDir, Generation] | None:
+    """The checkpoint and the generation every rank of this engine reads: the first rank reads the pointer and
+    broadcasts it (``_vllm_compat.first_rank_bytes``), so a save committed while the ranks start is read by all or
+    by none; a generation's own folder given as the checkpoint is that generation, for every rank alike. None: the
+    checkpoint has no pointer (format version 1 or 2). Every rank must call it."""
     root = checkpoint_root(checkpoint, options.remote())
+    pinned = None if root is None else pinned_generation(root)
+    if pinned is not None:
+        return pinned
     payload, failure = _NO_POINTER, None
     if _first_rank() and root is not None:
         try:
@@ -270,7 +275,7 @@ def agreed_generation(checkpoint: str, options: LoadOptions) -> Generation | Non
     if agreed == _NO_POINTER or root is None:
         return None
     found = load_generation(root, decode_pointer(agreed, f"{checkpoint} (the first rank's pointer)"))
-    return None if found is None else found[0]
+    return None if found is None else (root, found[0])
 
 
 class ManifestModelLoader(BaseModelLoader):
@@ -290,11 +295,12 @@ class ManifestModelLoader(BaseModelLoader):
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
         stem = rank_stem(vllm_config)
-        generation = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
+        agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
+        root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
         try:
             manifest, manifest_path = load_manifest(
-                checkpoint, stem, remote=options.remote(), generation=generation, follow_pointer=False
+                root, stem, remote=options.remote(), generation=generation, follow_pointer=False
             )
         except NoManifestError as exc:
             source = model_config.model if str(model_config.model).rstrip("/") != checkpoint.rstrip("/") else None

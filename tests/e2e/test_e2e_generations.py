@@ -23,6 +23,12 @@ def test_a_generation_loads_token_exact_against_the_engine_it_was_saved_from(res
     assert not any(name.endswith(".tensors") for name in one["top_level"]), "tensor files belong in a generation"
 
 
+def test_a_generation_s_own_folder_as_vllm_s_model_loads_that_generation(result):
+    one = result["one_rank"]
+    assert one["pinned_tokens"] == one["reference"]
+    assert one["pinned_generation"] == one["saved_generation"]
+
+
 def test_another_save_s_tokenizer_beside_the_weights_is_refused_by_name(result):
     assert result["one_rank"]["other_tokenizer"] is not None, "an engine started with another save's tokenizer"
     refusals = [line for line in result["_output"].splitlines() if "IntegrityError" in line]

@@ -67,6 +67,7 @@ def _capture_save(model_dir: Path, out: str, **engine) -> tuple[list, dict]:
 def one_rank(workdir: str) -> dict:
     from helpers.errors import error_chain
 
+    from tensorizer_manifest import LOAD_FORMAT
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.storage.generations import LocalCheckpoint
     from tensorizer_manifest.testing.tiny import build_tiny_model
@@ -86,6 +87,9 @@ def one_rank(workdir: str) -> dict:
         "model_files": [m.name for m in generation.model_files],
         "top_level": sorted(os.listdir(out)),
     }
+    pinned: dict = {}  # vLLM's model is the generation's own folder: everything it reads is that generation's
+    result["pinned_tokens"], _, _ = generate_tokens(Path(out, "generations", generation.id), LOAD_FORMAT, report=pinned)
+    result["pinned_generation"] = pinned.get("generation")
     tokenizer = Path(out, "tokenizer_config.json")
     tokenizer.write_text(tokenizer.read_text().replace("}", ', "model_max_length": 7}', 1))  # another save's
     try:
