@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from .._constants import PRODUCER
-from ..errors import CheckpointNotFoundError, TensorizerManifestError
+from ..errors import CheckpointNotFoundError, IntegrityError, TensorizerManifestError
 from ..format.generation import (
     GENERATION_DOCUMENT,
     GENERATIONS_FORMAT_VERSION,
@@ -114,6 +114,22 @@ def copy_model_files(publication: Publication, source: Path) -> list[ModelFile]:
             continue
         ref = store.put(publication.relative(path.name), path.read_bytes())
         files.append(ModelFile(name=path.name, file=ref))
+    return files
+
+
+def carry_model_files(publication: Publication, parent: Generation) -> list[ModelFile]:
+    """``parent``'s model files, copied into the publication's folder (a few small files): every generation's folder
+    holds what vLLM reads, so that any of them can be vLLM's ``model`` (``checkpoint.pinned_generation``)."""
+    store = LocalCheckpoint(publication.root)
+    files = []
+    for model_file in parent.model_files:
+        data = (publication.root / model_file.file.path).read_bytes()
+        if blake3_hex(data) != model_file.file.hash:
+            raise IntegrityError(
+                f"{publication.root / model_file.file.path}: not the bytes generation {parent.id} records; "
+                "save the checkpoint again"
+            )
+        files.append(ModelFile(name=model_file.name, file=store.put(publication.relative(model_file.name), data)))
     return files
 
 

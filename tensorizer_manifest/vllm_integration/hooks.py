@@ -748,7 +748,7 @@ class ManifestWorkerExtension:
                     publication,
                     made_by="add-form",
                     form_sets=publish.with_new_manifests(publication, generation),
-                    model_files=generation.model_files,
+                    model_files=publish.carry_model_files(publication, generation),
                     signing_key=signing_key,
                     encryption_key=encryption_key,
                 )

@@ -95,8 +95,10 @@ def test_an_added_form_keeps_the_save_s_tensor_file_in_its_folder(tmp_path, sour
         publication,
         made_by="add-form",
         form_sets=publish.with_new_manifests(publication, saved),
-        model_files=saved.model_files,
+        model_files=publish.carry_model_files(publication, saved),
     )
+    assert [m.file.hash for m in added.model_files] == [m.file.hash for m in saved.model_files]
+    assert all(m.file.path.startswith(g.generation_dir(added.id)) for m in added.model_files)  # its own folder
     (rank,) = added.form_sets[0].ranks
     assert rank.tensor_files[0] == saved.form_sets[0].ranks[0].tensor_files[0]  # the save's, where it is
     assert rank.tensor_files[1].startswith(g.generation_dir(added.id))  # the form's, new
