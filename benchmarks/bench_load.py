@@ -305,7 +305,8 @@ def load(path: str, model_dir: str, extra: str) -> dict:
 
     from tensorizer_manifest import WORKER_EXTENSION
     from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
-    from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader, apply_cpu_gemm_from_env
+    from tensorizer_manifest.vllm_integration.loaders import ManifestModelLoader
+    from tensorizer_manifest.vllm_integration.plugin import apply_cpu_gemm_from_env
 
     apply_cpu_gemm_from_env()
     timer = _Timer()

@@ -15,14 +15,9 @@ every private vLLM name it uses is in ``_vllm_compat``.
 
 from __future__ import annotations
 
-from .hooks import (
-    CaptureModelLoader,
-    CaptureOptions,
-    LoadOptions,
-    ManifestModelLoader,
-    ManifestWorkerExtension,
-    register,
-)
+from .loaders import CaptureModelLoader, CaptureOptions, LoadOptions, ManifestModelLoader
+from .plugin import register
+from .worker import ManifestWorkerExtension
 
 __all__ = [
     "CaptureModelLoader",

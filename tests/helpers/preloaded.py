@@ -36,7 +36,9 @@ PRELOAD = (
     "tensorizer_manifest.save.from_source",
     "tensorizer_manifest.cli.demo",
     "tensorizer_manifest.testing.tiny",
-    "tensorizer_manifest.vllm_integration.hooks",
+    "tensorizer_manifest.vllm_integration.loaders",
+    "tensorizer_manifest.vllm_integration.worker",
+    "tensorizer_manifest.vllm_integration.plugin",
 )
 
 #: Variables only the tests read (``TM_*``, and pytest's name for the running test): a request may differ

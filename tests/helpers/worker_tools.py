@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorizer_manifest.vllm_integration.hooks import ManifestWorkerExtension
+from tensorizer_manifest.vllm_integration.worker import ManifestWorkerExtension
 
 #: ``worker_extension_cls`` for an engine whose workers a test changes.
 TEST_WORKER_EXTENSION = "helpers.worker_tools.RankChangingWorkerExtension"

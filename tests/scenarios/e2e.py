@@ -113,7 +113,7 @@ def main() -> None:
 
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-        from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader
+        from tensorizer_manifest.vllm_integration.loaders import ManifestModelLoader
 
         def timing(cls, label):
             original_load = cls.load_model

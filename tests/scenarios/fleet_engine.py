@@ -32,7 +32,7 @@ def main() -> None:
 
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.storage.remote import RemoteOptions, fetch_model_files
-    from tensorizer_manifest.vllm_integration.hooks import ManifestModelLoader
+    from tensorizer_manifest.vllm_integration.loaders import ManifestModelLoader
 
     seconds: list[float] = []
     original = ManifestModelLoader.load_model

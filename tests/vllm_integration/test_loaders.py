@@ -1,4 +1,4 @@
-"""The loader's options (pydantic) and the plugin entry point, without starting an engine."""
+"""The loaders' options (pydantic) and what they make of them, without starting an engine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 
 def test_loader_options_are_validated():
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions
 
     class LoadConfig:
         model_loader_extra_config = {"verify_hashes": "no"}
@@ -27,7 +27,7 @@ def test_loader_options_are_validated():
 
 
 def test_remote_credentials_are_options_never_shown():
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions
 
     class LoadConfig:
         model_loader_extra_config = {
@@ -52,22 +52,10 @@ def test_remote_credentials_are_options_never_shown():
     assert "s3cr3t-value-xyz" not in str(exc.value)
 
 
-def test_plugin_registers_both_load_formats_once():
-    from vllm.model_executor.model_loader import get_model_loader  # noqa: F401  (public API)
-
-    from tensorizer_manifest import _vllm_compat
-    from tensorizer_manifest._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
-    from tensorizer_manifest.vllm_integration.hooks import CaptureModelLoader, ManifestModelLoader, register
-
-    register()
-    assert not _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
-    assert not _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
-
-
 def test_overlap_policy_defers_vllms_steps_on_cpu_only_and_an_explicit_choice_wins():
     import torch
 
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions, overlap_policy
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions, overlap_policy
 
     assert LoadOptions().overlap_steps is None
     assert overlap_policy(None, torch.device("cpu")) == {"raw_steps": False, "restorers": True}
@@ -79,7 +67,7 @@ def test_overlap_policy_defers_vllms_steps_on_cpu_only_and_an_explicit_choice_wi
 def test_vllm_tensorizer_config_names_mean_the_same():
     from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
 
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions
 
     class LoadConfig:
         model_loader_extra_config = {
@@ -126,7 +114,7 @@ def test_vllm_tensorizer_config_names_mean_the_same():
     ],
 )
 def test_tensorizer_config_options_that_mean_nothing_here_are_refused(extra, match):
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions
 
     class LoadConfig:
         model_loader_extra_config = extra
@@ -143,7 +131,7 @@ def test_tensorizer_config_options_that_mean_nothing_here_are_refused(extra, mat
     ],
 )
 def test_a_tensorizer_uri_that_names_no_tensor_file_here_is_refused(extra, match):
-    from tensorizer_manifest.vllm_integration.hooks import LoadOptions
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions
 
     class LoadConfig:
         model_loader_extra_config = extra

@@ -1,13 +1,13 @@
-"""What vLLM calls into: ``ManifestModelLoader`` and ``CaptureModelLoader`` (the two load formats), their option
-models, ``ManifestWorkerExtension`` (the save of a running engine) and ``register`` (the plugin hook). The
-folder's ``__init__`` says what each is for and re-exports them under the names vLLM is given.
+"""The two load formats vLLM is given: ``ManifestModelLoader`` (``tensorizer_manifest``: validate, restore, replay)
+and ``CaptureModelLoader`` (``tensorizer_manifest_capture``: vLLM's default loader, its post-load step observed),
+with their option models. The attributes they leave on the model (``CAPTURE_ATTR``, ``REPORT_ATTR``,
+``ADDED_FORM_ATTR``, ``GENERATION_ATTR``) are named here, for the worker extension that reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,21 +18,18 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .. import _failpoints, _vllm_compat
-from .._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT, SPILL_DIR_ENV
+from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
 from ..checks.fingerprint import check_compatible, engine_fingerprint
 from ..checks.generation_files import check_generation
 from ..checks.seal import unsealed_warning
 from ..checks.validate import open_checked_forms
 from ..errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
-from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
-from ..format.schema import MANIFEST_SUFFIX
+from ..format.generation import Generation, decode_pointer, encode_pointer
 from ..load import replay
 from ..load.forms import choose_forms
 from ..load.restore import check_model, restore_tensors
 from ..progress import terminal_progress
-from ..save import publish
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, Recorder
-from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
 from ..storage.checkpoint import (
     check_named_tensor_file,
     check_one_save,
@@ -53,12 +50,13 @@ from ..storage.options import (
     from_tensorizer_config_names,
     tensorizer_config_options,
 )
-from ..storage.remote import CREDENTIAL_OPTIONS, RemoteDir
+from ..storage.remote import RemoteDir
 
-_CAPTURE_ATTR = "_tensorizer_manifest_capture"
-_REPORT_ATTR = "_tensorizer_manifest_report"
-_ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
-_GENERATION_ATTR = "_tensorizer_manifest_generation"
+#: What the loaders leave on the model they return, for the worker extension (``worker``) to read.
+CAPTURE_ATTR = "_tensorizer_manifest_capture"
+REPORT_ATTR = "_tensorizer_manifest_report"
+ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
+GENERATION_ATTR = "_tensorizer_manifest_generation"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
 logger = logging.getLogger("vllm.tensorizer_manifest")
@@ -193,7 +191,7 @@ class CaptureOptions(BaseModel):
             ) from None
 
 
-def _first_rank() -> bool:
+def first_rank() -> bool:
     """Rank 0 of every parallel group: the one that draws progress bars."""
     return _vllm_compat.parallel_ranks() == (0, 0)
 
@@ -258,7 +256,7 @@ def agreed_generation(checkpoint: str, options: LoadOptions) -> tuple[Path | Rem
     if pinned is not None:
         return pinned
     payload, failure = _NO_POINTER, None
-    if _first_rank() and root is not None:
+    if first_rank() and root is not None:
         try:
             pointer = read_pointer(root)
             payload = _NO_POINTER if pointer is None else encode_pointer(pointer, compact=True)
@@ -334,8 +332,8 @@ class ManifestModelLoader(BaseModelLoader):
             )
         summary["encrypted"] = encryption_key is not None
         summary["generation"] = None if generation is None else generation.id
-        setattr(model, _REPORT_ATTR, summary)
-        setattr(model, _GENERATION_ATTR, generation)
+        setattr(model, REPORT_ATTR, summary)
+        setattr(model, GENERATION_ATTR, generation)
         _log_load(manifest_path, summary)
         return model.eval()
 
@@ -379,7 +377,7 @@ class ManifestModelLoader(BaseModelLoader):
                     replayer.layer_ready(record, module, check_hashes)
 
             sources = {path: readers.form(index) for path, index in forms.added.items()}
-            with terminal_progress("loading", enabled=options.progress and _first_rank()) as progress:
+            with terminal_progress("loading", enabled=options.progress and first_rank()) as progress:
                 nbytes = restore_tensors(
                     model,
                     manifest,
@@ -395,7 +393,7 @@ class ManifestModelLoader(BaseModelLoader):
             report = replayer.finish()
             if recorder is not None:
                 # with the manifest it was made from: add-form commits only over that one (write_added_form)
-                setattr(model, _ADDED_FORM_ATTR, (*recorder.finish(fingerprint, rank_stem(vllm_config)), loaded))
+                setattr(model, ADDED_FORM_ATTR, (*recorder.finish(fingerprint, rank_stem(vllm_config)), loaded))
             clock.lap("replay")
         return model, {
             **report.to_dict(),
@@ -455,332 +453,5 @@ class CaptureModelLoader(DefaultModelLoader):
             )
         capture = captured[-1]
         capture.stem = rank_stem(vllm_config)
-        setattr(model, _CAPTURE_ATTR, capture)
+        setattr(model, CAPTURE_ATTR, capture)
         return model
-
-
-def apply_cpu_gemm_from_env() -> None:
-    """``TENSORIZER_MANIFEST_CPU_GEMM=fallback``: vLLM's torch CPU GEMM in this process (workers too)."""
-    if os.environ.get(CPU_GEMM_ENV, "").lower() == "fallback":
-        _vllm_compat.disable_onednn()
-
-
-def register() -> None:
-    """``vllm.general_plugins`` entry point: register both load formats in this process.
-
-    It also keeps every log record of the process from showing S3 credentials given in
-    ``model_loader_extra_config`` (vLLM logs its engine arguments, that dict included, after loading plugins;
-    the redaction is in the log record factory, so no logger or handler escapes it), and records each layer's
-    attributes before vLLM's post-load step in any engine (a few dicts), so that one the default loader loaded
-    can save itself.
-    """
-    _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
-    apply_cpu_gemm_from_env()
-    _vllm_compat.register_model_loader_once(LOAD_FORMAT, ManifestModelLoader)
-    _vllm_compat.register_model_loader_once(CAPTURE_LOAD_FORMAT, CaptureModelLoader)
-    from ..save.rebuild import remember_pre_step_attributes
-
-    _vllm_compat.before_every_post_load_step(remember_pre_step_attributes)  # so any engine can save itself
-
-
-def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
-    """What ``save_tensorizer_manifest`` returns for a rank."""
-    return {
-        "manifest": str(Path(output_dir) / (stem + MANIFEST_SUFFIX)),
-        "tensor_file": manifest.tensor_file.path,
-        "bytes": manifest.tensor_file.size,
-        "layers": len(manifest.modules),
-        "raw_layers": sum(1 for m in manifest.modules if m.state == "raw"),
-        "fallback_layers": sum(1 for m in manifest.modules if m.fallback),
-        "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
-        "seal": manifest.seal.mode if manifest.seal is not None else None,
-        "encryption": manifest.tensor_file.encryption,
-    }
-
-
-class ManifestWorkerExtension:
-    """Worker methods, reached with ``llm.collective_rpc(name, args=...)``."""
-
-    def _tm_model(self) -> torch.nn.Module:
-        runner = self.model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
-    def save_tensorizer_manifest(
-        self,
-        output_dir: str,
-        keep_capture: bool = False,
-        signing_key_file: str | None = None,
-        encryption_key_file: str | None = None,
-        progress: bool = False,
-        portable: bool = False,
-        allow_unverified: bool = False,
-        fallbacks: bool = True,
-        format_version: int = 2,
-    ) -> dict:
-        """Write this rank's tensor file and manifest into ``output_dir``.
-
-        ``format_version=3``: as a new generation of the checkpoint (``save.publish``): every rank writes into
-        the generation's folder, and the first rank commits the pointer once for all (``docs/design.md``).
-
-        An engine vLLM's default loader loaded (no ``tensorizer_manifest_capture``) is saved too: each
-        layer's state before vLLM's post-load step is rebuilt from the engine's source weights, one layer at a
-        time (``rebuild``), and must give back the engine's live tensors bit for bit, else nothing is written
-        (``rebuild.NotReproducibleError``). ``portable``, ``allow_unverified`` and ``fallbacks`` are then the
-        save options (a capture-loaded engine took them in ``model_loader_extra_config``).
-
-        The capture holds a copy of every raw layer's pre-processing tensors (in a
-        nameless temporary file, not in memory); it is released after the save (so
-        an engine that goes on serving gets that disk space back) unless
-        ``keep_capture`` asks to save again later.
-        The manifest is sealed with the key in ``signing_key_file`` (else
-        ``$TENSORIZER_MANIFEST_SIGNING_KEY``; a path travels to the workers, never the key).
-        The tensor data is encrypted with the key in ``encryption_key_file`` (else
-        ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY``). ``progress`` draws a bar of the
-        write on stderr (rank 0, on a terminal).
-
-        A sharded engine's ranks commit together or not at all: they agree on one save id first
-        (``Manifest.save_id``), each writes its tensor file and seals its manifest, and all vote before any
-        commits; a rank that failed votes no, and every rank's checkpoint stays as it was. A rank that fails in
-        its own commit, after the vote, leaves ranks of two saves, which every loader refuses (the save id).
-        """
-        if format_version not in (2, 3):
-            raise ConfigurationError(f"format_version must be 2 or 3, not {format_version!r}")
-        if format_version == 3:
-            return self._tm_publish(
-                output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
-                fallbacks,
-            )  # fmt: skip
-        save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
-        model = self._tm_model()
-        capture = getattr(model, _CAPTURE_ATTR, None)
-        prepared = None
-        try:
-            try:
-                signing_key = signing_key_from(signing_key_file)
-                encryption_key = encryption_key_from(encryption_key_file)
-                if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
-                    capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
-                    keep_capture = False
-                with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
-                    prepared = prepare_checkpoint(
-                        capture,
-                        Path(output_dir),
-                        capture.stem,
-                        signing_key,
-                        release=not keep_capture,
-                        encryption_key=encryption_key,
-                        progress=on_progress,
-                        save_id=save_id,
-                    )
-            finally:
-                # Every rank votes, a failed one too (its error goes on up): none commits unless all wrote their part.
-                if save_id is not None and not _vllm_compat.every_rank_succeeded(prepared is not None):
-                    if prepared is not None:
-                        prepared.abandon()
-                        raise TensorizerManifestError(
-                            f"{output_dir}: another rank of this engine failed to write its part of the save (its "
-                            f"error is raised beside this one); {capture.stem} committed nothing either, and the "
-                            "checkpoint is as it was"
-                        )
-            manifest = prepared.commit()
-            source = Path(str(self.vllm_config.model_config.model))
-            if _first_rank() and source.is_dir():  # so that vLLM's `model` can be the checkpoint itself
-                copy_model_files(source, Path(output_dir))
-        finally:
-            if capture is not None and not keep_capture:
-                if getattr(model, _CAPTURE_ATTR, None) is capture:
-                    delattr(model, _CAPTURE_ATTR)
-                capture.close()
-        return _save_summary(manifest, output_dir, capture.stem)
-
-    def _tm_publish(
-        self, output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
-        fallbacks,
-    ) -> dict:  # fmt: skip
-        """``save_tensorizer_manifest`` as a generation: each rank writes its files into the new generation's folder,
-        all vote, and only if every rank succeeded does the first rank commit the pointer (all ranks or none); a
-        second vote tells every rank whether that commit happened."""
-        generation_id = _vllm_compat.shared_generation_id()  # first: every rank is here, none has failed yet
-        model = self._tm_model()
-        capture = getattr(model, _CAPTURE_ATTR, None)
-        written = None
-        committed = None
-        try:
-            try:
-                signing_key = signing_key_from(signing_key_file)
-                encryption_key = encryption_key_from(encryption_key_file)
-                publication = publish.begin(Path(output_dir), generation_id)
-                if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
-                    capture = self._tm_rebuilt_capture(model, portable, allow_unverified, fallbacks, output_dir)
-                    keep_capture = False
-                with terminal_progress("saving", enabled=progress and _first_rank()) as on_progress:
-                    written = write_checkpoint(
-                        capture,
-                        publication.folder,
-                        capture.stem,
-                        signing_key,
-                        release=not keep_capture,
-                        encryption_key=encryption_key,
-                        progress=on_progress,
-                        save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
-                    )
-            finally:
-                all_written = _vllm_compat.every_rank_succeeded(written is not None)  # every rank votes
-            if not all_written:
-                raise TensorizerManifestError(
-                    f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
-                    "raised beside this one); nothing was committed, and the checkpoint is as it was"
-                )
-            try:
-                if _first_rank():
-                    parallel = self.vllm_config.parallel_config
-                    layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
-                    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
-                    source = Path(str(self.vllm_config.model_config.model))
-                    committed = publish.commit(
-                        publication,
-                        made_by="save",
-                        form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
-                        model_files=publish.copy_model_files(publication, source),
-                        signing_key=signing_key,
-                        encryption_key=encryption_key,
-                    )
-            finally:
-                first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not _first_rank())
-            if not first_committed and not _first_rank():
-                raise TensorizerManifestError(
-                    f"{output_dir}: the first rank of this engine could not commit the save (its error is raised "
-                    "there); nothing was committed, and the checkpoint is as it was"
-                )
-        finally:
-            if capture is not None and not keep_capture:
-                if getattr(model, _CAPTURE_ATTR, None) is capture:
-                    delattr(model, _CAPTURE_ATTR)
-                capture.close()
-        return {
-            **_save_summary(written, output_dir, capture.stem),
-            "generation": generation_id,
-            "manifest": str(publication.folder / (capture.stem + MANIFEST_SUFFIX)),
-        }
-
-    def _tm_rebuilt_capture(
-        self, model, portable: bool, allow_unverified: bool, fallbacks: bool, output_dir: str
-    ) -> Capture:
-        from ..save.rebuild import capture_running_engine
-
-        vllm_config = self.vllm_config
-        fingerprint = engine_fingerprint(vllm_config)
-        policy = CapturePolicy(
-            portable=portable,
-            allow_unverified=allow_unverified,
-            device_type=fingerprint.device_type,
-            fallbacks=fallbacks,
-        )
-        Path(output_dir).mkdir(parents=True, exist_ok=True)  # its pre-step copies go there (SPILL_DIR_ENV wins)
-        spill = os.environ.get(SPILL_DIR_ENV) or output_dir
-        capture = capture_running_engine(model, vllm_config, policy, fingerprint, spill)
-        capture.stem = rank_stem(vllm_config)
-        return capture
-
-    def add_tensorizer_manifest_form(
-        self, checkpoint_dir: str, signing_key_file: str | None = None, encryption_key_file: str | None = None
-    ) -> dict:
-        """Add this engine's processed form of the layers it loaded through their raw fallback to this rank's
-        manifest in ``checkpoint_dir`` (the engine must have loaded it with ``add_form`` in
-        ``model_loader_extra_config``). Nothing is written when no layer fell back, or none a verified
-        restorer covers here."""
-        signing_key = signing_key_from(signing_key_file)
-        encryption_key = encryption_key_from(encryption_key_file)
-        model = self._tm_model()
-        observed = getattr(model, _ADDED_FORM_ATTR, None)
-        if observed is None:
-            raise TensorizerManifestError(
-                f"this engine did not load with load_format={LOAD_FORMAT!r} and add_form in "
-                "model_loader_extra_config, so vLLM's step on the fallback layers was not observed"
-            )
-        capture, not_added, loaded = observed
-        result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
-        generation = getattr(model, _GENERATION_ATTR, None)
-        if generation is not None:
-            published = self._tm_publish_form(checkpoint_dir, generation, capture, loaded, signing_key, encryption_key)
-            result.update(published)
-        elif capture.layers:
-            manifest = write_added_form(
-                capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key
-            )
-            result["tensor_file"] = manifest.added_forms[-1].tensor_file.path
-            result["bytes"] = manifest.added_forms[-1].tensor_file.size
-        delattr(model, _ADDED_FORM_ATTR)
-        return result
-
-    def _tm_publish_form(self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key) -> dict:
-        """``add_tensorizer_manifest_form`` on a checkpoint of format version 3: a new generation over the one this
-        engine loaded, in which the ranks that added a form have a new manifest (naming the save's tensor files
-        where the save keeps them) and the others keep theirs; committed once by the first rank, only if the
-        generation loaded is still the current one (``ConcurrentWriteError`` otherwise)."""
-        generation_id = _vllm_compat.shared_generation_id()
-        publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id, read_parent=False)
-        written = None
-        try:
-            if capture.layers:
-                written = write_added_form(
-                    capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key,
-                    into=publication.folder,
-                )  # fmt: skip
-        finally:
-            all_written = _vllm_compat.every_rank_succeeded(written is not None or not capture.layers)
-        if not all_written:
-            raise TensorizerManifestError(
-                f"{checkpoint_dir}: another rank failed to write its part of the form (its error is raised beside "
-                "this one); nothing was committed"
-            )
-        nothing_added = _vllm_compat.every_rank_succeeded(not capture.layers)
-        result: dict = {"generation": None}
-        if written is not None:
-            form_file = written.added_forms[-1].tensor_file
-            result.update(tensor_file=form_file.path, bytes=form_file.size)
-        if nothing_added:
-            return result
-        committed = None
-        try:
-            if _first_rank():
-                committed = publish.commit(
-                    publication,
-                    made_by="add-form",
-                    form_sets=publish.with_new_manifests(publication, generation),
-                    model_files=publish.carry_model_files(publication, generation),
-                    signing_key=signing_key,
-                    encryption_key=encryption_key,
-                )
-        finally:
-            first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not _first_rank())
-        if not first_committed and not _first_rank():
-            raise TensorizerManifestError(
-                f"{checkpoint_dir}: the first rank of this engine could not commit the form (its error is raised "
-                "there); nothing was committed"
-            )
-        result["generation"] = generation_id
-        return result
-
-    def tensorizer_manifest_report(self) -> dict | None:
-        """What the manifest loader did in this worker (None when it was not used)."""
-        return getattr(self._tm_model(), _REPORT_ATTR, None)
-
-    def tensorizer_manifest_state_hashes(self) -> dict[str, str]:
-        """blake3 of every parameter and persistent buffer of this worker's model, by full name.
-
-        Two engines that loaded the same model the same way give equal maps,
-        whichever loader each used: how a rank's state is compared when the
-        engine's workers are other processes (pipeline parallel).
-        """
-        from ..model.tensors import hash_tensor
-
-        hashes = {}
-        for path, module in self._tm_model().named_modules():
-            for name, tensor in module._parameters.items():
-                if tensor is not None:
-                    hashes[f"{path}.{name}" if path else name] = hash_tensor(tensor.detach().cpu())
-            for name, tensor in module._buffers.items():
-                if tensor is not None and name not in module._non_persistent_buffers_set:
-                    hashes[f"{path}.{name}" if path else name] = hash_tensor(tensor.detach().cpu())
-        return hashes
