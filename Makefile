@@ -13,7 +13,7 @@ demo: setup
 
 # Two pytest-xdist workers, one per core: each engine start is mostly one busy thread (tests/conftest.py
 # keeps a module's tests, and each kind of the family matrix, on one worker).
-PYTEST = .venv/bin/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
+PYTEST = .venv/bin/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=12
 
 # Lint, format check and the import layers, then every test, the slow end-to-end ones on real vLLM
 # included (what CI runs).

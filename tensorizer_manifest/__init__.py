@@ -37,6 +37,7 @@ from .errors import (
     TensorizerManifestError,
     UnsafeStorageError,
     UnsupportedModelError,
+    UnsupportedTensorizerError,
     UnsupportedVLLMError,
 )
 from .format.schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
@@ -113,6 +114,7 @@ __all__ = [
     "CompatibilityError",
     "UnsupportedModelError",
     "UnsupportedVLLMError",
+    "UnsupportedTensorizerError",
     "NotReproducibleError",
     "ReplayError",
     "ConcurrentWriteError",

@@ -10,7 +10,8 @@
     ├── CompatibilityError (ValueError)        the engine that loads differs from the one that saved
     ├── NotReproducibleError (ValueError)      a running engine's state is not its source's: not saved
     ├── UnsupportedModelError (NotImplementedError)  something we refuse to guess about
-    │   └── UnsupportedVLLMError                this vLLM lacks or changed a private name we call
+    │   ├── UnsupportedVLLMError                this vLLM lacks or changed a private name we call
+    │   └── UnsupportedTensorizerError          this tensorizer lacks or changed a private name we need
     ├── ReplayError (RuntimeError)             restoring runtime state failed; the model is not served
     ├── ConcurrentWriteError (RuntimeError)    another writer changed the manifest since this one read it
     └── RemoteStorageError (OSError)           s3:// or http(s):// storage failed; a transfer cut short
@@ -94,6 +95,13 @@ class UnsupportedVLLMError(UnsupportedModelError):
     range."""
 
 
+class UnsupportedTensorizerError(UnsupportedModelError):
+    """This tensorizer lacks a private name tensorizer-manifest needs, or calls it another way (its signature
+    changed): raised where the name is needed, before the read that needs it, naming the tensorizer version, the
+    name and the tested range. (A private name that serves a feature the package can do without is not an error:
+    the feature is given up with one warning naming it.)"""
+
+
 class ReplayError(TensorizerManifestError, RuntimeError):
     """Rebuilding a layer's runtime state failed, or left it incomplete."""
 
@@ -152,6 +160,7 @@ __all__ = [
     "NotReproducibleError",
     "UnsupportedModelError",
     "UnsupportedVLLMError",
+    "UnsupportedTensorizerError",
     "ReplayError",
     "ConcurrentWriteError",
     "RemoteStorageError",

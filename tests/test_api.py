@@ -20,7 +20,8 @@ def test_public_api_is_what_was_meant():
         "Restorer", "register_restorer",
         "TensorizerManifestError", "ManifestError", "ManifestVersionError", "CheckpointNotFoundError",
         "NoManifestError", "ConfigurationError", "IntegrityError", "CompatibilityError", "UnsupportedModelError",
-        "ReplayError", "NotReproducibleError", "UnsupportedVLLMError", "ConcurrentWriteError",
+        "ReplayError", "NotReproducibleError", "UnsupportedVLLMError", "UnsupportedTensorizerError",
+        "ConcurrentWriteError",
         "RemoteOptions", "fetch_model_files", "upload_checkpoint",
         "RemoteStorageError", "RemoteNotFoundError", "RemoteAccessError", "RemoteUnreachableError",
         "RemoteThrottledError", "RemoteChangedError", "RemoteStalledError", "UnsafeStorageError",
@@ -46,6 +47,7 @@ def test_every_error_is_a_tensorizer_manifest_error_and_a_builtin():
     assert issubclass(tm.NoManifestError, tm.CheckpointNotFoundError)
     assert issubclass(tm.NotReproducibleError, tm.TensorizerManifestError)
     assert issubclass(tm.UnsupportedVLLMError, tm.UnsupportedModelError)
+    assert issubclass(tm.UnsupportedTensorizerError, tm.UnsupportedModelError)
     assert issubclass(tm.ConfigurationError, ValueError)
     assert issubclass(tm.ReplayError, RuntimeError)
     assert issubclass(tm.RemoteStorageError, OSError)

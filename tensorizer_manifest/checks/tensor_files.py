@@ -14,6 +14,7 @@ from ..errors import (
     ManifestError,
     RemoteStorageError,
     TensorizerManifestError,
+    UnsupportedModelError,
 )
 from ..format.schema import EncryptionKey, TensorFileRef, TensorRecord
 from ..model.tensors import hash_tensor
@@ -38,7 +39,7 @@ def check_tensor_file(ref: TensorFileRef, tensor_path: FileLocation, by_key: dic
             return problems  # tensorizer never sees a file whose header and index are not the saved ones
         try:
             index = read_index(tensor_path, encrypted=ref.encryption != "none")
-        except RemoteStorageError:
+        except (RemoteStorageError, UnsupportedModelError):  # storage failing, or this tensorizer lacking a name
             raise
         except Exception as exc:  # tensorizer raises many kinds on a damaged file
             return [

@@ -41,7 +41,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -66,6 +65,8 @@ from ..errors import (
 )
 from ..format.generation import POINTER_NAME, decode_pointer, generation_named
 from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, blake3_hex
+from . import tensorizer_names
+from .tensorizer_names import OPEN_EXIT_CODE, OPEN_FAILED, READ_EXIT_CODE, SHORT_READ, StreamHooks
 
 #: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
 _MAX_DOCUMENT_BYTES = 64 << 20
@@ -305,8 +306,10 @@ def _check_uri(uri: str) -> tuple[str, str, str]:
 
 # -- classifying failures ---------------------------------------------------------------------------------------
 
+#: The HTTP status line tensorizer puts after ``OPEN_FAILED`` (HTTP's wording), and S3 errors' own.
 _HTTP_STATUS = re.compile(r"HTTP/[\d.]+ (\d{3})")
-_CURL_EXIT = re.compile(r"cURL exit code (\d+)|curl error: \((\d+)\)|curl: \((\d+)\)")
+#: curl's exit code in tensorizer's messages (``tensorizer_names``' fragments) and in curl's own ``curl: (N)``.
+_CURL_EXIT = re.compile(rf"{re.escape(OPEN_EXIT_CODE)}(\d+)|{re.escape(READ_EXIT_CODE)}(\d+)\)|curl: \((\d+)\)")
 #: curl exit codes that mean the endpoint was never reached, and those of a transfer cut short.
 _CURL_UNREACHABLE = {5, 6, 7, 35, 60}
 _CURL_CUT_SHORT = {18, 52, 55, 56, 92}
@@ -460,9 +463,9 @@ def transfer_error(
         )
     if status is not None or code is not None:
         return RemoteStorageError(f"{uri}: the server answered {code or status} while {doing}")
-    if "Failed to open stream" in text:
+    if OPEN_FAILED in text:
         return RemoteStorageError(f"{uri}: the server gave no answer while {doing}")
-    if isinstance(exc, OSError | EOFError) or "Requested" in text:
+    if isinstance(exc, OSError | EOFError) or SHORT_READ in text:
         return RemoteStorageError(
             f"{uri}: the transfer was cut short while {doing}: the server closed the connection or stopped answering"
         )
@@ -528,92 +531,6 @@ def _stall_limit(seconds: float) -> Any:
     """The ``certificate_handling`` of a stream with a stall timeout: curl exits with code 28 (``RemoteStalledError``)
     when fewer than 1 byte a second arrive for ``seconds`` (whole seconds, curl counts no finer; at least 1)."""
     return _curl_flags_class()("--speed-limit", "1", "--speed-time", str(max(1, math.ceil(seconds))))
-
-
-@functools.cache
-def _stream_class() -> type | None:
-    """tensorizer's curl stream, with typed errors and retried re-opens; None when its internals moved.
-
-    ``TensorDeserializer`` forks a ``CURLStreamFile`` for each parallel reader (``_fork``, same class,
-    same headers, so the ``If-Match`` goes along) and re-opens it on a backward seek: both open a new
-    request before a byte of it is consumed, so both are retried here as ``RemoteFile.open`` is. A read
-    that fails is classified by curl's own exit code (waited for, not guessed from a re-run of the
-    request as tensorizer does) and raised as this package's error, which tensorizer passes on.
-    """
-    try:
-        from tensorizer.stream_io import CURLStreamFile
-    except ImportError:  # pragma: no cover - tensorizer without curl streams
-        return None
-    needed = ("_fork", "_create_read_error_from_context", "_read_until", "seek")
-    if not all(callable(getattr(CURLStreamFile, name, None)) for name in needed):
-        return None  # pragma: no cover - another tensorizer: open_stream's plain streams are used
-
-    class _RemoteStream(CURLStreamFile):
-        remote: RemoteFile | None = None
-
-        # An opening with no answer (curl exited: refused, stalled) closes the stream at once, and tensorizer
-        # asks curl's exit code before curl has always finished exiting: then the code is waited for here.
-        def __init__(self, *args: Any, **kwargs: Any) -> None:  # also a backward seek's re-open, and a fork's
-            self._opened = False
-            try:
-                super().__init__(*args, **kwargs)
-            except OSError as exc:
-                code = getattr(self, "_exit_code", None)
-                if str(exc) == "Failed to open stream" and code and code > 0:
-                    raise OSError(f"Failed to open stream: cURL exit code {code}") from None
-                raise
-            self._opened = True
-
-        def close(self):
-            curl = getattr(self, "_curl", None)
-            if curl is not None and not getattr(self, "_opened", True) and curl.poll() is None:
-                try:  # its opening failed: curl has closed its output and is exiting, with its own code
-                    curl.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
-            super().close()
-            if curl is not None:
-                self._exit_code = curl.returncode
-
-        def _fork(self, begin: int | None = None, end: int | None = None):
-            remote = self.remote
-            if remote is None:
-                return super()._fork(begin, end)
-
-            def once():
-                clone = CURLStreamFile._fork(self, begin, end)
-                clone.remote = remote
-                remote._check_version(clone)
-                return clone
-
-            return remote._retrying("opening it", once)
-
-        def seek(self, position, whence=0):
-            remote = self.remote
-            target = position + self._curr if whence == 1 else position
-            if remote is None or whence == 2 or target >= self._curr:
-                return super().seek(position, whence)  # forward: reads on, never retried
-            # Backward: tensorizer closes this request and opens another from ``target``.
-            remote._retrying("opening it", lambda: CURLStreamFile.seek(self, target))
-            remote._check_version(self)
-
-        def _create_read_error_from_context(self):
-            curl = getattr(self, "_curl", None)
-            code = None
-            if curl is not None:
-                code = curl.poll()
-                if code is None:
-                    try:
-                        code = curl.wait(timeout=1)  # curl that closed its output is exiting: its own code
-                    except subprocess.TimeoutExpired:
-                        curl.terminate()
-                        code = curl.wait()
-            failure = OSError(f"curl error: ({code})" if code and code > 0 else "the transfer ended early")
-            if self.remote is None:
-                return failure
-            return self.remote._error(failure, "reading it")
-
-    return _RemoteStream
 
 
 # -- objects and prefixes ---------------------------------------------------------------------------------------
@@ -770,10 +687,10 @@ class RemoteFile:
     def _open_once(self, begin: int | None, end: int | None) -> BinaryIO:
         from tensorizer import stream_io
 
-        cls = _stream_class()
-        presign = getattr(stream_io, "_s3_download_url", None)
+        cls = tensorizer_names.retrying_stream_class()
+        presign = tensorizer_names.s3_download_url() if self.scheme == "s3" else None
         stall = _stall_limit(self.options.stall_timeout())
-        if cls is None or (self.scheme == "s3" and presign is None):  # another tensorizer: its plain stream
+        if cls is None or (self.scheme == "s3" and presign is None):  # another tensorizer (warned): its plain stream
             return stream_io.open_stream(
                 self.uri, "rb", begin=begin, end=end, certificate_handling=stall, **self._stream_kwargs()
             )
@@ -784,9 +701,18 @@ class RemoteFile:
             etag = self.etag if CONDITIONAL_READS else None
             headers = {"If-Match": etag} if etag and not etag.startswith("W/") else None  # If-Match is strong
         stream = cls(url, begin=begin, end=end, headers=headers, certificate_handling=stall)
-        stream.remote = self
+        stream.hooks = self._stream_hooks()
         self._check_version(stream)
         return stream
+
+    def _stream_hooks(self) -> StreamHooks:
+        """What a stream of this object asks of it: its re-opens and forks retried, their answers' version
+        checked, a failed read typed (``tensorizer_names.retrying_stream_class``)."""
+        return StreamHooks(
+            retry_opening=lambda attempt: self._retrying("opening it", attempt),
+            check_version=self._check_version,
+            read_error=lambda failure: self._error(failure, "reading it"),
+        )
 
     def _presigned_url(self, presign: Callable[..., str]) -> str:
         """What ``open_stream`` does for s3:// (tensorizer's presigned URL), made once per ``PRESIGNED_URL_REUSE_S``."""

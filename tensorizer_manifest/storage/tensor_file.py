@@ -1,7 +1,9 @@
 """The tensor file on disk: writing it with tensorizer, reading it back, its index, prefix and head hash.
 
 The only module that imports tensorizer's serialization, so a tensorizer
-upgrade touches one file (``remote`` uses its ``stream_io`` to move bytes).
+upgrade touches one file (``remote`` uses its ``stream_io`` to move bytes);
+the private tensorizer names it relies on, and the wording of tensorizer's
+messages it reads, are behind ``tensorizer_names``.
 Tensors go in contiguous and with their dtype untouched; the manifest
 (``tensors.py``) carries everything else about their form. A tensor file is a
 local ``Path`` or a ``remote.RemoteFile``: the reader then streams it from
@@ -25,6 +27,7 @@ import torch
 
 from ..errors import ConfigurationError, IntegrityError, TensorizerManifestError
 from ..format.schema import EncryptionKey
+from . import tensorizer_names
 from .remote import RemoteFile, transfer_error
 
 #: Bytes read at a time when hashing the non-data parts of a tensor file.
@@ -93,12 +96,12 @@ def _crypto_error(name: str, exc: Exception) -> Exception | None:
     if not isinstance(exc, CryptographyError):
         return None
     text = str(exc)
-    if "decryption was not requested" in text:
+    if tensorizer_names.DECRYPTION_NOT_REQUESTED in text:
         return ConfigurationError(
             f"{name}: the tensor file is encrypted; pass its key file (encryption_key_file in "
             "model_loader_extra_config, --encryption-key-file, or $TENSORIZER_MANIFEST_ENCRYPTION_KEY)"
         )
-    if "not flagged as encrypted" in text or "predating encryption" in text:
+    if tensorizer_names.NOT_FLAGGED_ENCRYPTED in text or tensorizer_names.PREDATING_ENCRYPTION in text:
         return IntegrityError(
             f"{name}: an encryption key was given but the tensor file is not encrypted: "
             "it is not the file the manifest describes"
@@ -189,17 +192,16 @@ class TensorFileReader:
     def _forget(self, key: str) -> None:
         """Drop tensorizer's own reference to a tensor once it is handed out: the caller's is then the only one.
 
-        A lazy ``TensorDeserializer`` keeps every tensor it read in its private
-        ``_cache`` (keyed by name path) for as long as it lives, so a raw layer's
-        pre-step weights would outlive vLLM's post-load step, which replaces
-        them: the load held both forms of every raw layer (on CPU, 0.8 GB more
-        peak memory on the 1 GB model, and oneDNN's packing could never reuse the
-        freed pages; on accelerators, device memory). Without that attribute
-        (another tensorizer), nothing is dropped and loading still works.
+        A lazy ``TensorDeserializer`` keeps every tensor it read in a private
+        cache for as long as it lives, so a raw layer's pre-step weights would
+        outlive vLLM's post-load step, which replaces them: the load held both
+        forms of every raw layer (on CPU, 0.8 GB more peak memory on the 1 GB
+        model, and oneDNN's packing could never reuse the freed pages; on
+        accelerators, device memory). Without that cache (another tensorizer),
+        nothing is dropped, one warning says so, and loading still works
+        (``tensorizer_names.forget_cached``).
         """
-        cache = getattr(self._deserializer, "_cache", None)
-        if isinstance(cache, dict):
-            cache.pop((key,), None)
+        tensorizer_names.forget_cached(self._deserializer, key)
 
     def stream(self, keys: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every stored tensor as ``(key, tensor)``, in file order, while the readers go on reading.
@@ -277,14 +279,11 @@ def read_index(path: Path | RemoteFile, encrypted: bool = False) -> dict[str, In
 
 
 def _index_of(deserializer) -> dict[str, IndexEntry]:
-    """The index an open ``TensorDeserializer`` parsed.
-
-    Uses tensorizer's ``_metadata`` (not public API; stable across 2.10-2.12):
-    one of the two places this package touches a private tensorizer name
-    (``TensorFileReader._forget`` is the other).
+    """The index an open ``TensorDeserializer`` parsed (a private name of tensorizer's:
+    ``tensorizer_names.tensor_index``, a typed error where this tensorizer keeps it elsewhere).
     """
     index = {}
-    for key, entry in deserializer._metadata.items():
+    for key, entry in tensorizer_names.tensor_index(deserializer).items():
         name = key if isinstance(key, str) else ".".join(entry.name)
         index[name] = IndexEntry(
             torch_dtype_name(entry.dtype),
