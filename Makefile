@@ -44,7 +44,7 @@ schema: setup
 		> schemas/manifest-v3.schema.json  # the pointer and the generation (format version 3)
 
 # Figures, not assertions (docs/performance.md): load time of every path as a fresh process, manifest
-# scaling, validation and hashing, GPTQ and MoE. Takes 25-35 minutes on 2 cores; run it on a quiet machine.
+# scaling, validation and hashing, GPTQ and MoE. Takes 30-40 minutes on 2 cores; run it on a quiet machine.
 bench: setup
 	.venv/bin/python -m pip install -q "matplotlib>=3.7"
 	.venv/bin/python benchmarks/bench_load.py

@@ -1,6 +1,8 @@
-"""The checks of a checkpoint against itself, one module a subject, all offline (no vLLM, no GPU).
+"""The checks of a checkpoint, one module a subject.
 
-``report`` (what was found), ``seal`` (the seal and the keys), ``records`` (the manifest's records),
-``tensor_files`` (a tensor file against its manifest, content hashes last). ``validate`` runs them in
-that order, for the loader and for ``tensorizer-manifest validate``.
+Against itself, offline (no vLLM, no GPU): ``report`` (what was found), ``seal`` (the seal and the keys),
+``records`` (the manifest's records), ``tensor_files`` (a tensor file against its manifest, content hashes last),
+``generation_files`` (a format-3 generation: its seal, the model files vLLM read). ``validate`` runs them in that
+order, for the loader and for ``tensorizer-manifest validate``. Against the engine: ``fingerprint`` (what the
+saving engine was, and what must match the loading one; it reads the engine's configuration from vLLM).
 """

@@ -1,4 +1,4 @@
-"""The manifest format, version 1: msgspec types, their constraints, encoding and strict decoding.
+"""A rank's manifest (format versions 1 and 2, and each rank of version 3): msgspec types, constraints, encoding.
 
 Everything that defines what a manifest *is* lives here: the structs, the rules
 that bind records together (``full_name``, ``digest_records``), which values a
