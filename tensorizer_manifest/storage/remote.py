@@ -41,6 +41,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -262,7 +263,24 @@ def _resolve(options: RemoteOptions, write: bool = False) -> _Resolved:
     return _Resolved(key_id, secret, _with_scheme(endpoint), options.stall_timeout())
 
 
+#: boto3 clients made in this process, by what they were made for (``_s3_client``).
+_CLIENTS: dict[tuple[_Resolved, int], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
 def _s3_client(resolved: _Resolved):
+    """One boto3 client per endpoint, credentials and stall timeout in a process: making one takes about 0.3 s,
+    and a client is safe to share between threads. A forked process makes its own (its parent's connections are
+    not its own)."""
+    key = (resolved, os.getpid())
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            client = _CLIENTS[key] = _new_s3_client(resolved)
+    return client
+
+
+def _new_s3_client(resolved: _Resolved):
     import boto3
     import botocore
     from botocore.config import Config
