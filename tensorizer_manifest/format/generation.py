@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..errors import ConfigurationError, IntegrityError, ManifestError, ManifestVersionError
+from ..errors import IntegrityError, ManifestError, ManifestVersionError
 from .schema import (
     ContentHash,
     EncryptionKey,
@@ -31,6 +31,7 @@ from .schema import (
     Size,
     blake3_hex,
     seal_mode,
+    sealed_hash_of,
 )
 
 GENERATIONS_FORMAT_VERSION = 3
@@ -208,17 +209,8 @@ def generation_seal_hash(
     key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> str:
-    """The seal's hash in ``mode`` (keyed as a manifest's is: ``schema.seal_hash``)."""
-    data = canonical_generation_bytes(generation, mode)
-    if mode == "mac":
-        if key is None:
-            raise ConfigurationError("a mac seal needs a signing key")
-        return key.mac(data)
-    if mode == "mac-encryption-key":
-        if encryption_key is None:
-            raise ConfigurationError("a mac-encryption-key seal needs the encryption key")
-        return encryption_key.seal_key.mac(data)
-    return blake3_hex(data)
+    """The seal's hash in ``mode``, keyed as a manifest's is (``schema.sealed_hash_of``)."""
+    return sealed_hash_of(canonical_generation_bytes(generation, mode), mode, key, encryption_key)
 
 
 def seal_generation(

@@ -474,7 +474,14 @@ def seal_hash(
     manifest: Manifest, mode: SealMode, key: SigningKey | None = None, encryption_key: EncryptionKey | None = None
 ) -> str:
     """The seal's hash in ``mode``: ``mac`` needs the signing key, ``mac-encryption-key`` the encryption key."""
-    data = canonical_bytes(manifest, mode)
+    return sealed_hash_of(canonical_bytes(manifest, mode), mode, key, encryption_key)
+
+
+def sealed_hash_of(
+    data: bytes, mode: SealMode, key: SigningKey | None = None, encryption_key: EncryptionKey | None = None
+) -> str:
+    """A seal's hash of its canonical bytes in ``mode`` (a manifest's or a generation's): keyed by the signing key
+    (``mac``), by the key derived from the encryption key (``mac-encryption-key``), else plain blake3."""
     if mode == "mac":
         if key is None:
             raise ConfigurationError("a mac seal needs a signing key")

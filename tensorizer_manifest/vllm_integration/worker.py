@@ -5,6 +5,7 @@ add-form of the layers it loaded through their fallback, its load report and its
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,20 @@ from ..save.capture import Capture, CapturePolicy
 from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from .loaders import ADDED_FORM_ATTR, CAPTURE_ATTR, GENERATION_ATTR, REPORT_ATTR, first_rank, rank_stem
+
+
+def _first_rank_commits(commit: Callable[[], None], failed_elsewhere: str) -> None:
+    """The first rank runs ``commit`` (a generation's one pointer swap); then every rank votes, so that the others
+    learn whether it happened: there, its own error goes on up; elsewhere, ``failed_elsewhere``."""
+    committed = False
+    try:
+        if first_rank():
+            commit()
+            committed = True
+    finally:
+        first_committed = _vllm_compat.every_rank_succeeded(committed or not first_rank())
+    if not first_committed and not first_rank():
+        raise TensorizerManifestError(failed_elsewhere)
 
 
 def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
@@ -145,7 +160,6 @@ class ManifestWorkerExtension:
         model = self._tm_model()
         capture = getattr(model, CAPTURE_ATTR, None)
         written = None
-        committed = None
         try:
             try:
                 signing_key = signing_key_from(signing_key_file)
@@ -172,27 +186,24 @@ class ManifestWorkerExtension:
                     f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
                     "raised beside this one); nothing was committed, and the checkpoint is as it was"
                 )
-            try:
-                if first_rank():
-                    parallel = self.vllm_config.parallel_config
-                    layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
-                    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
-                    source = Path(str(self.vllm_config.model_config.model))
-                    committed = publish.commit(
-                        publication,
-                        made_by="save",
-                        form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
-                        model_files=publish.copy_model_files(publication, source),
-                        signing_key=signing_key,
-                        encryption_key=encryption_key,
-                    )
-            finally:
-                first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not first_rank())
-            if not first_committed and not first_rank():
-                raise TensorizerManifestError(
-                    f"{output_dir}: the first rank of this engine could not commit the save (its error is raised "
-                    "there); nothing was committed, and the checkpoint is as it was"
+
+            def commit_the_save() -> None:
+                parallel = self.vllm_config.parallel_config
+                layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
+                ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
+                source = Path(str(self.vllm_config.model_config.model))
+                publish.commit(
+                    publication,
+                    made_by="save",
+                    form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
+                    model_files=publish.copy_model_files(publication, source),
+                    signing_key=signing_key,
+                    encryption_key=encryption_key,
                 )
+
+            _first_rank_commits(commit_the_save, f"{output_dir}: the first rank of this engine could not commit the "
+                                "save (its error is raised there); nothing was committed, and the checkpoint is as "
+                                "it was")  # fmt: skip
         finally:
             if capture is not None and not keep_capture:
                 if getattr(model, CAPTURE_ATTR, None) is capture:
@@ -282,24 +293,19 @@ class ManifestWorkerExtension:
             result.update(tensor_file=form_file.path, bytes=form_file.size)
         if nothing_added:
             return result
-        committed = None
-        try:
-            if first_rank():
-                committed = publish.commit(
-                    publication,
-                    made_by="add-form",
-                    form_sets=publish.with_new_manifests(publication, generation),
-                    model_files=publish.carry_model_files(publication, generation),
-                    signing_key=signing_key,
-                    encryption_key=encryption_key,
-                )
-        finally:
-            first_committed = _vllm_compat.every_rank_succeeded(committed is not None or not first_rank())
-        if not first_committed and not first_rank():
-            raise TensorizerManifestError(
-                f"{checkpoint_dir}: the first rank of this engine could not commit the form (its error is raised "
-                "there); nothing was committed"
+
+        def commit_the_form() -> None:
+            publish.commit(
+                publication,
+                made_by="add-form",
+                form_sets=publish.with_new_manifests(publication, generation),
+                model_files=publish.carry_model_files(publication, generation),
+                signing_key=signing_key,
+                encryption_key=encryption_key,
             )
+
+        _first_rank_commits(commit_the_form, f"{checkpoint_dir}: the first rank of this engine could not commit the "
+                            "form (its error is raised there); nothing was committed")  # fmt: skip
         result["generation"] = generation_id
         return result
 
