@@ -21,9 +21,12 @@ from ..model.layers import LayerDiff
 class Restorer:
     """Rebuilds the runtime state of one kind of processed layer.
 
-    Subclass it in a module of its own under ``tensorizer_manifest/restorers/``
-    and ``register`` an instance there: the package imports every module in
-    that folder, so nothing else needs to change.
+    A built-in one: subclass it in a module of its own under
+    ``tensorizer_manifest/restorers/``, named after the restorer, ``register`` an
+    instance there, and list the module in ``BUILT_IN_MODULES``
+    (``restorers/__init__.py``), whose order is the order ``find_restorer`` asks
+    them in. Elsewhere, ``register`` (``tensorizer_manifest.register_restorer``)
+    adds one, asked after every built-in.
     """
 
     name: ClassVar[str]
@@ -44,6 +47,11 @@ class Restorer:
     #: vLLM (token-exact, processed tensors bitwise, no post-load step run). Elsewhere a layer it covers
     #: saves raw unless the user opts in; ``verify-kernels`` records can add a kind.
     verified_on: ClassVar[frozenset[str]] = frozenset()
+    #: Restorers asked before this one that may apply to a layer this one applies to, by name, each with what
+    #: decides between them (why at most one covers a layer). Required for one that names a class in
+    #: ``handles`` an earlier one names too (``undeclared_overlaps``, checked when the package is imported),
+    #: and for an overlap ``handles`` does not show (one's ``applies_to`` reaching the other's class).
+    asked_after: ClassVar[dict[str, str]] = {}
 
     def verified_for(self, device_type: str) -> bool:
         """Verified on this device kind: by this project's tests, or by a ``verify-kernels`` record."""
@@ -81,11 +89,35 @@ RESTORERS: dict[str, Restorer] = {}
 
 
 def register(restorer: Restorer) -> Restorer:
-    """Add a restorer. Names are part of the manifest format: never rename one."""
+    """Add a restorer, asked after every one added before it (every built-in first). Names are part of the
+    manifest format: never rename one."""
     if restorer.name in RESTORERS or restorer.name in (REPLAY_NONE, REPLAY_POST_LOAD):
         raise ValueError(f"restorer name {restorer.name!r} is taken")
     RESTORERS[restorer.name] = restorer
     return restorer
+
+
+def undeclared_overlaps(restorers: Iterable[Restorer]) -> list[str]:
+    """What breaks the asking order, for restorers in the order ``find_restorer`` asks them: two that name one
+    class in ``handles`` where the later does not declare the earlier in ``asked_after``, and an ``asked_after``
+    that names no earlier restorer (the order turned round, or a rule left behind). Empty when none."""
+    problems = []
+    earlier: list[Restorer] = []
+    for restorer in restorers:
+        asked_before = {r.name for r in earlier}
+        problems += [
+            f"{restorer.name} is declared to be asked after {name}, which is not asked before it"
+            for name in sorted(set(restorer.asked_after) - asked_before)
+        ]
+        for other in earlier:
+            shared = set(other.handles) & set(restorer.handles)
+            if shared and other.name not in restorer.asked_after:
+                problems.append(
+                    f"{other.name} and {restorer.name} both handle {sorted(shared)}, and {restorer.name} "
+                    f"does not declare in asked_after what decides between them"
+                )
+        earlier.append(restorer)
+    return problems
 
 
 def known_replays() -> set[str]:
@@ -133,7 +165,7 @@ def only_state_and_tensors_in_place(diff: LayerDiff, rebuilt: Iterable[tuple[str
 
 
 def find_restorer(module: torch.nn.Module, diff: LayerDiff) -> tuple[Restorer | None, str]:
-    """The restorer that covers ``diff`` on ``module``, or None and why none does."""
+    """The first restorer, in registration order, that covers ``diff`` on ``module``; or None and why none does."""
     reasons = []
     for restorer in RESTORERS.values():
         if not restorer.applies_to(module):

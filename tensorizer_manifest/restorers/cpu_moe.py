@@ -23,6 +23,12 @@ left as loaded. vLLM has no pre-processed branch for this method; replay makes
 the kernel-building calls of its step (``_vllm_compat.build_int8_moe_kernel``)
 and skips the experts' step. ZenDNN's int8 experts (another layout, a reorder
 of w13 first) are not covered.
+
+One module for three restorers (``cpu_unquantized_moe``, ``cpu_fp8_moe``,
+``cpu_int8_moe``), named after their family rather than one of them: they are
+one story, vLLM's CPU fused-MoE experts packed by the step and a kernel built
+over them, and share what they rebuild (``_KERNEL_STATE``) and, for the two
+quantized ones, the whole check (``_PackedExpertsRestorer``).
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class CudaWna16Restorer(Restorer):
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16",
     )
     verified_on = frozenset()
+    asked_after = {
+        "cpu_wna16": "both handle the GPTQ, AWQ and compressed-tensors methods; the kernel tells them apart "
+        "(CPUWNA16LinearKernel there, Marlin or Machete here), so at most one applies to a layer",
+    }
     rebuilds = "Marlin: the kernel's w_zp_name and input_global_scale=None; Machete: nothing (its layout is the form)"
 
     def applies_to(self, module):

@@ -31,7 +31,7 @@ end-to-end test of this project covers an MLA model yet.
 from __future__ import annotations
 
 from ..format.schema import qualified_class
-from .attention import AttentionScalesRestorer
+from .attention_scales import AttentionScalesRestorer
 from .base import register, state_beyond
 
 _MLA = "vllm.model_executor.layers.attention.mla_attention.MLAAttention"
@@ -53,6 +53,10 @@ class MlaAttentionRestorer(AttentionScalesRestorer):
     writes_tensors = False
     handles = (_MLA,)
     verified_on = frozenset()
+    asked_after = {
+        "attention_scales": "it applies to every deferred attention layer, MLAAttention too, and covers only a step "
+        "that added no tensor; this one covers only a step that added W_UK_T and W_UV, so at most one covers a layer",
+    }
     rebuilds = (
         "the scale floats and host copies; W_UK_T/W_UV saved processed (kv_b_proj's split and dequantize not rerun)"
     )

@@ -86,6 +86,19 @@ def test_views_of_an_unquantized_kv_b_proj_are_left_raw():
     assert restorer is None and "views of kv_b_proj.weight" in why
 
 
+def test_plain_attentions_restorer_applies_too_and_the_declared_rule_holds(stepped):
+    """``attention_scales`` applies to every deferred attention layer, MLA's too, and is asked first: so
+    ``mla_attention`` declares it (``asked_after``), and at most one of them covers a step: MLA's split (new
+    tensors) is ``mla_attention``'s alone, a step that only rewrote the scales ``attention_scales``' alone."""
+    layer, diff = stepped
+    claimants = [r for r in RESTORERS.values() if r.applies_to(layer)]
+    assert [r.name for r in claimants] == ["attention_scales", "mla_attention"]
+    assert "attention_scales" in RESTORERS["mla_attention"].asked_after
+    scales_only = LayerDiff(changed_tensors={"_k_scale"}, changed_attrs={("layer", "_k_scale_float"): 0.5})
+    for step, covering in ((diff, "mla_attention"), (scales_only, "attention_scales")):
+        assert [r.name for r in claimants if r.covers(layer, step) is None] == [covering]
+
+
 def test_covers_vllms_mla_step_and_replays_it_without_splitting_kv_b_proj(stepped, monkeypatch):
     from vllm.model_executor.layers.attention import mla_attention
 

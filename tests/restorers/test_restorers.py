@@ -1,4 +1,4 @@
-"""The restorer registry: discovery of restorer modules, names, and why no restorer covers a layer.
+"""The restorer registry: the declared asking order, module names, restorer names, and why none covers a layer.
 
 Also the logic of the GPU restorers (``cuda_wna16``, ``cuda_fp8_linear``, ``cuda_fused_moe``,
 ``modelopt_nvfp4_linear``) on CPU: ``covers`` accepting exactly the expected diff and refusing extras,
@@ -20,15 +20,102 @@ import torch
 import tensorizer_manifest.restorers as restorers
 from tensorizer_manifest.format.schema import qualified_class
 from tensorizer_manifest.model.layers import LayerDiff
-from tensorizer_manifest.restorers import RESTORERS, Restorer, find_restorer, known_replays, register
+from tensorizer_manifest.restorers import (
+    BUILT_IN_MODULES,
+    RESTORERS,
+    Restorer,
+    find_restorer,
+    known_replays,
+    register,
+    undeclared_overlaps,
+)
 
 pytest.importorskip("vllm")
 
+#: (asked first, asked after it): the built-ins that may apply to one layer, each pair declared by the later. The
+#: first restorer that covers a layer wins, so this is the part of the order that decides a choice: turning a
+#: pair round changes behaviour (and fails the import, ``undeclared_overlaps``).
+PRIORITY = {
+    ("attention_scales", "mla_attention"),
+    ("cpu_unquantized_moe", "cuda_fused_moe"),
+    ("cpu_wna16", "cuda_wna16"),
+}
 
-def test_every_module_in_the_folder_registers_a_restorer():
+
+def _built_ins() -> list[Restorer]:
+    return [r for r in RESTORERS.values() if type(r).__module__.startswith(f"{restorers.__name__}.")]
+
+
+def test_built_ins_are_asked_in_the_declared_order_and_declare_every_overlap():
+    modules = [type(r).__module__.rsplit(".", 1)[-1] for r in _built_ins()]
+    assert list(dict.fromkeys(modules)) == list(BUILT_IN_MODULES)  # registered in that order, nothing scanned
+    assert list(RESTORERS)[: len(modules)] == [r.name for r in _built_ins()]  # and asked before any added one
+    order = list(RESTORERS)
+    assert all(order.index(first) < order.index(then) for first, then in PRIORITY)
+    assert {(earlier, r.name) for r in RESTORERS.values() for earlier in r.asked_after} == PRIORITY
+    assert all(r.asked_after[earlier] for r in RESTORERS.values() for earlier in r.asked_after)  # with the rule
+    assert undeclared_overlaps(RESTORERS.values()) == []
+
+
+def test_every_module_is_listed_and_named_after_the_restorer_it_registers():
     modules = {m.name for m in pkgutil.iter_modules(restorers.__path__)} - {"base", "inventory"}
-    registered = {type(r).__module__.rsplit(".", 1)[-1] for r in RESTORERS.values()}
-    assert modules == registered
+    assert modules == set(BUILT_IN_MODULES)
+    by_module: dict[str, list[str]] = {}
+    for restorer in RESTORERS.values():
+        by_module.setdefault(type(restorer).__module__.rsplit(".", 1)[-1], []).append(restorer.name)
+    families = {"cpu_moe": ["cpu_unquantized_moe", "cpu_fp8_moe", "cpu_int8_moe"]}  # one story, see its docstring
+    assert {module: by_module[module] for module in BUILT_IN_MODULES} == {
+        module: families.get(module, [module]) for module in BUILT_IN_MODULES
+    }
+
+
+def test_an_overlap_without_a_declared_order_is_refused():
+    class Early(Restorer):
+        name = "early"
+        handles = ("vllm.A", "vllm.B")
+
+    class Late(Restorer):
+        name = "late"
+        handles = ("vllm.B",)
+
+    class Declared(Late):
+        asked_after = {"early": "the kernel tells them apart"}
+
+    (problem,) = undeclared_overlaps([Early(), Late()])
+    assert "early and late both handle ['vllm.B']" in problem
+    assert undeclared_overlaps([Early(), Declared()]) == []
+    turned_round = undeclared_overlaps([Declared(), Early()])  # the declared order no longer holds
+    assert "late is declared to be asked after early, which is not asked before it" in turned_round[0]
+    assert "early does not declare" in turned_round[1]
+    swapped = _built_ins()
+    cpu, cuda = swapped.index(RESTORERS["cpu_wna16"]), swapped.index(RESTORERS["cuda_wna16"])
+    swapped[cpu], swapped[cuda] = swapped[cuda], swapped[cpu]
+    assert len(undeclared_overlaps(swapped)) == 2  # cuda_wna16's rule names a later one; cpu_wna16 declares none
+
+
+def test_an_added_restorer_is_asked_after_every_built_in():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class EveryLinear(Restorer):
+        name = "test_every_linear"
+        handles = ("vllm.model_executor.layers.linear.UnquantizedLinearMethod",)  # cpu_unquantized_gemm's too
+
+        def applies_to(self, module):
+            return isinstance(module, torch.nn.Linear)
+
+        def covers(self, module, diff):
+            return None
+
+    added = register(EveryLinear())
+    try:
+        assert list(RESTORERS)[-1] == "test_every_linear"
+        layer = torch.nn.Linear(2, 2)
+        layer.quant_method = UnquantizedLinearMethod()
+        dispatch = LayerDiff(changed_attrs={("layer", "cpu_linear"): print})
+        assert find_restorer(layer, dispatch)[0] is RESTORERS["cpu_unquantized_gemm"]  # a built-in that covers wins
+        assert find_restorer(layer, LayerDiff(changed_tensors={"weight"}))[0] is added  # else the added one
+    finally:
+        del RESTORERS["test_every_linear"]
 
 
 def test_names_are_unique_and_cannot_shadow_replay_values():
@@ -494,3 +581,65 @@ def test_run_pre_processed_step_refuses_a_method_without_the_branch():
 
     _vllm_compat.run_pre_processed_step(Branch(), torch.nn.Module())
     assert seen == [True]
+
+
+def test_each_kind_of_layer_is_claimed_as_declared():
+    """The restorers that apply to each kind of layer the doubles here stand for (MLA's: ``test_restorer_mla``),
+    in asking order. Where two apply, the later must declare the earlier (``asked_after``): a restorer that starts
+    applying to another's layers without a declared rule fails here."""
+    from vllm.model_executor.kernels.linear.mixed_precision import MacheteLinearKernel, MarlinLinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+    from vllm.model_executor.kernels.linear.nvfp4.pytorch import TorchNvFp4LinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFP8ScaledMMLinearKernel
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        CPUExpertsFp8,
+        CPUExpertsInt8,
+        CPUUnquantizedExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as int8,
+    )
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    linear, embedding = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    linear.quant_method, embedding.quant_method = UnquantizedLinearMethod(), UnquantizedEmbeddingMethod()
+    unquantized_moe = (UnquantizedFusedMoEMethod, "unquantized_backend")
+    layers = {
+        "attention": (_bare(Attention), ["attention_scales"]),
+        "unquantized linear": (linear, ["cpu_unquantized_gemm"]),
+        "unquantized embedding": (embedding, ["cpu_unquantized_gemm"]),
+        "wna16 on cpu": (_mp_layer(CPUWNA16LinearKernel)[0], ["cpu_wna16"]),
+        "wna16 on marlin": (_mp_layer(MarlinLinearKernel)[0], ["cuda_wna16"]),
+        "wna16 on machete": (_mp_layer(MacheteLinearKernel)[0], ["cuda_wna16"]),
+        "fp8 block on cpu": (_fp8_layer(_bare(CPUFp8BlockScaledMMKernel)), ["cpu_fp8_linear"]),
+        "fp8 on cutlass": (_fp8_layer(_bare(CutlassFP8ScaledMMLinearKernel)), ["cuda_fp8_linear"]),
+        "moe on cpu": (
+            _moe_layer(*unquantized_moe, UnquantizedMoeBackend.CPU, CPUUnquantizedExperts),
+            ["cpu_unquantized_moe"],
+        ),
+        "moe on triton": (
+            _moe_layer(*unquantized_moe, UnquantizedMoeBackend.TRITON, TritonExperts),
+            ["cuda_fused_moe"],
+        ),
+        "fp8 moe on cpu": (_moe_layer(Fp8MoEMethod, "fp8_backend", Fp8MoeBackend.CPU, CPUExpertsFp8), ["cpu_fp8_moe"]),
+        "int8 moe on cpu": (
+            _moe_layer(int8.CompressedTensorsW8A8Int8MoEMethod, "int8_backend", Int8MoeBackend.CPU, CPUExpertsInt8),
+            ["cpu_int8_moe"],
+        ),
+        "nvfp4": (_nvfp4_layer(TorchNvFp4LinearKernel, w4a16=True), ["modelopt_nvfp4_linear"]),
+    }
+    for what, (layer, expected) in layers.items():
+        claimants = [r for r in RESTORERS.values() if r.applies_to(layer)]
+        assert [r.name for r in claimants] == expected, what
+        for i, later in enumerate(claimants):
+            for earlier in claimants[:i]:
+                assert earlier.name in later.asked_after, f"{what}: {later.name} may take {earlier.name}'s layers"

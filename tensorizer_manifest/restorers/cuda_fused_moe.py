@@ -65,6 +65,10 @@ class CudaMoeRestorer(Restorer):
     writes_tensors = False
     handles = (_UNQUANTIZED, _FP8)
     verified_on = frozenset()
+    asked_after = {
+        "cpu_unquantized_moe": "both handle UnquantizedFusedMoEMethod; that one applies on a CPU platform to CPU "
+        "experts, this one to the Triton backends, which vLLM does not pair with CPU experts",
+    }
     rebuilds = "the fused-MoE kernel and quant config (vLLM's pre-processed branch, _init_moe_kernel)"
 
     def applies_to(self, module):
