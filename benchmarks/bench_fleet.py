@@ -109,13 +109,15 @@ def main() -> None:
     from helpers.fleet import Engine, engine_key_id, run_fleet
     from helpers.servers import BUCKET, MotoS3, RangeHTTPServer
 
-    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+    from tensorizer_manifest import _vllm_compat
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "amx": bool(torch.cpu._is_amx_tile_supported()),
+        "amx": _vllm_compat.has_amx(),
     }
     print(f"machine: {machine}")
     checkpoint = Path(bench_load.prepare(args.work, args.size)["mixed"])

@@ -42,7 +42,8 @@ from .errors import (
 )
 from .format.schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
 from .storage.checkpoint import read_manifest
-from .storage.remote import RemoteOptions, fetch_model_files, upload_checkpoint
+from .storage.remote import RemoteOptions
+from .storage.remote_checkpoint import fetch_model_files, upload_checkpoint
 
 if TYPE_CHECKING:
     from .checks.report import Problem, ValidationReport

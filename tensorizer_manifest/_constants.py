@@ -31,5 +31,5 @@ ENCRYPTION_KEY_ENV = "TENSORIZER_MANIFEST_ENCRYPTION_KEY"
 SPILL_DIR_ENV = "TENSORIZER_MANIFEST_SPILL_DIR"
 
 #: Seconds a remote read may go without a byte from the server before it fails (``RemoteStalledError``), used
-#: when no ``RemoteOptions.stall_timeout_s`` is given (default ``storage.remote.STALL_TIMEOUT_S``, 60).
+#: when no ``RemoteOptions.stall_timeout_s`` is given (default ``storage.remote.credentials.STALL_TIMEOUT_S``, 60).
 STALL_TIMEOUT_ENV = "TENSORIZER_MANIFEST_STALL_TIMEOUT_S"

@@ -131,7 +131,8 @@ class RemoteUnreachableError(RemoteStorageError, ConnectionError):
 
 
 class RemoteThrottledError(RemoteStorageError):
-    """The server kept asking to slow down (HTTP 503 ``SlowDown``, 429) through every retry (``remote.RETRY_*``)."""
+    """The server kept asking to slow down (HTTP 503 ``SlowDown``, 429) through every retry
+    (``remote.failures.RETRY_*``)."""
 
 
 class RemoteChangedError(RemoteStorageError):
@@ -139,7 +140,7 @@ class RemoteChangedError(RemoteStorageError):
 
 
 class RemoteStalledError(RemoteStorageError):
-    """The server sent no byte for the stall timeout (``remote.STALL_TIMEOUT_S``, 60 s, or
+    """The server sent no byte for the stall timeout (``remote.credentials.STALL_TIMEOUT_S``, 60 s, or
     ``TENSORIZER_MANIFEST_STALL_TIMEOUT_S``): it kept the connection open and stopped answering. Never retried."""
 
 

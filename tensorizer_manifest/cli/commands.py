@@ -658,7 +658,8 @@ def fetch(uri: str, cache_dir: Path, **remote) -> None:
     vLLM's model must be a local directory: start it with model=CACHE_DIR,
     load_format='tensorizer_manifest' and model_loader_extra_config={"checkpoint_dir": URI}; the tensors
     stream from URI at load."""
-    from ..storage.remote import fetch_model_files, is_remote
+    from ..storage.remote import is_remote
+    from ..storage.remote_checkpoint import fetch_model_files
 
     if not is_remote(uri):
         err_console().print(f"[red]error:[/red] {uri}: not an s3:// or http(s):// URI", highlight=False)

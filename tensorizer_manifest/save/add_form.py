@@ -24,7 +24,8 @@ from ..format.generation import POINTER_NAME
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import read_manifest
 from ..storage.options import S3Options, describe_validation_error
-from ..storage.remote import RemoteDir, fetch_model_files, is_remote, probe_conditional_writes
+from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
+from ..storage.remote_checkpoint import fetch_model_files
 from .from_source import (
     encryption_key_file_path,
     read_model_config,

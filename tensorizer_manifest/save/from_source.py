@@ -32,7 +32,8 @@ from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerMani
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
 from ..storage.options import S3Options, describe_validation_error
-from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes, upload_checkpoint
+from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
+from ..storage.remote_checkpoint import upload_checkpoint
 from .publish import publish_to_s3
 from .write import copy_model_files
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import _failpoints
-from ..errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError
+from ..errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError, RemoteNotFoundError
 from ..format.generation import (
     GENERATION_DOCUMENT,
     GENERATIONS_DIR,
@@ -34,7 +34,7 @@ from ..format.generation import (
 )
 from ..format.schema import blake3_hex
 from .files import create_only, exclusive_lock, replace_atomically
-from .remote import RemoteDir, RemoteNotFoundError, list_objects, probe_conditional_writes
+from .remote import RemoteDir, list_objects, probe_conditional_writes
 
 #: ``gc``'s defaults: a generation stays this long after a newer one is committed (readers that read the older
 #: pointer finish), and an uncommitted folder (a writer killed, or one still writing) this long after its newest

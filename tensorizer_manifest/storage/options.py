@@ -1,6 +1,6 @@
 """The parts of the option models (pydantic) that saving and loading share.
 
-Kept apart from ``remote.py`` so that ``inspect`` and ``validate``, which read
+Kept apart from the ``remote`` package so that ``inspect`` and ``validate``, which read
 remote checkpoints but take no option models, never import pydantic (a fifth
 of a second at start-up).
 """

@@ -9,8 +9,8 @@ retried re-opens of parallel readers, the dropping of tensorizer's cached tensor
 that names what is lost, never silently.
 
 tensorizer itself is imported inside the functions (to check a name, never to read or write a file): importing
-this module is free. ``storage/tensor_file.py`` and ``storage/remote.py`` use it; it imports nothing of the
-package but ``errors`` and ``_constants``.
+this module is free. ``storage/tensor_file.py`` and ``storage/remote/`` (``curl_stream``, ``failures``) use it; it
+imports nothing of the package but ``errors`` and ``_constants``.
 """
 
 from __future__ import annotations

@@ -445,7 +445,8 @@ def test_without_a_recorded_prefix_the_index_length_is_still_bounded_by_the_reco
 def test_a_remote_checkpoint_validates_with_its_hashes_and_each_failure_is_typed(pristine, moto_s3, tmp_path):
     from helpers.servers import BUCKET, RangeHTTPServer, closed_endpoint
 
-    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 
     options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)
     uri = f"s3://{BUCKET}/validate-test"

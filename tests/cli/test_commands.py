@@ -184,7 +184,8 @@ def test_inspect_validate_diff_and_fetch_on_remote_checkpoints(moto_s3, tmp_path
     from helpers.servers import BUCKET, RangeHTTPServer
     from helpers.synthetic import write_synthetic_checkpoint
 
-    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 
     a, b = write_synthetic_checkpoint(tmp_path / "a"), write_synthetic_checkpoint(tmp_path / "b", seed=1)
     (a / "config.json").write_text("{}")
@@ -233,7 +234,8 @@ def test_wrong_credentials_and_an_unreachable_endpoint_are_one_line_each(moto_s3
     from helpers.servers import BUCKET, closed_endpoint
     from helpers.synthetic import write_synthetic_checkpoint
 
-    from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 
     server = moto_s3_auth
     local = write_synthetic_checkpoint(tmp_path / "a")

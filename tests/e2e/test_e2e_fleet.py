@@ -24,7 +24,8 @@ from helpers.fleet import Engine, engine_key_id, run_fleet
 from helpers.servers import BUCKET, Fault, FaultProxy
 
 from tensorizer_manifest.storage.checkpoint import load_manifest
-from tensorizer_manifest.storage.remote import RemoteOptions, upload_checkpoint
+from tensorizer_manifest.storage.remote import RemoteOptions
+from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 from tensorizer_manifest.storage.tensor_file import read_index
 
 pytestmark = pytest.mark.e2e

@@ -211,7 +211,8 @@ def _stage(tmp_path, source, seed, stems=("model",)):
 
 def test_a_generation_on_s3_loads_through_its_pointer_and_fetch_takes_its_own_model_files(moto_s3, tmp_path, source):
     from tensorizer_manifest.storage.generations import S3Checkpoint
-    from tensorizer_manifest.storage.remote import RemoteDir, fetch_model_files
+    from tensorizer_manifest.storage.remote import RemoteDir
+    from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files
 
     uri, options = _s3(moto_s3)
     first = publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)

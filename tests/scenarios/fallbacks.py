@@ -148,7 +148,8 @@ def main() -> None:
         # The same on S3: the other machine's checkpoint uploaded, add_form on its URI, then loaded from there.
         from helpers.servers import BUCKET
 
-        from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions, fetch_model_files, upload_checkpoint
+        from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions
+        from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, upload_checkpoint
 
         endpoint, key_id, secret = (os.environ[f"TM_TEST_S3_{k}"] for k in ("ENDPOINT", "KEY_ID", "SECRET"))
         creds = {"s3_access_key_id": key_id, "s3_secret_access_key": secret, "s3_endpoint": endpoint}

@@ -31,7 +31,8 @@ def main() -> None:
     from helpers.errors import error_chain, error_summary
 
     from tensorizer_manifest.cli.demo import generate_tokens
-    from tensorizer_manifest.storage.remote import RemoteOptions, fetch_model_files
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files
     from tensorizer_manifest.vllm_integration.loaders import ManifestModelLoader
 
     seconds: list[float] = []

@@ -131,7 +131,8 @@ def main() -> None:
     from helpers.servers import BUCKET, MotoS3
 
     from tensorizer_manifest.save.from_source import save_checkpoint
-    from tensorizer_manifest.storage.remote import RemoteOptions, fetch_model_files, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, upload_checkpoint
     from tensorizer_manifest.testing.tiny import DEMO_PROMPTS, build_tiny_model
 
     model_dir = str(build_tiny_model(workdir / "tiny-llama", "llama"))

@@ -80,7 +80,8 @@ def test_a_remote_manifest_is_found_and_read(moto_s3, tmp_path):
     from helpers.servers import BUCKET, RangeHTTPServer
 
     from tensorizer_manifest.errors import RemoteNotFoundError
-    from tensorizer_manifest.storage.remote import RemoteFile, RemoteOptions, upload_checkpoint
+    from tensorizer_manifest.storage.remote import RemoteFile, RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 
     local = write_synthetic_checkpoint(tmp_path / "ckpt")
     options = RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint)

@@ -4,7 +4,7 @@ the same bucket beside it that gets the right bytes.
 
 - a server that stops mid-stream for one reader: ``RemoteUnreachableError`` for it, naming the URI;
 - a connection cut mid-stream (the server still up): ``RemoteStorageError`` (cut short), never resumed;
-- throttling (``503 SlowDown``, a plain 503): retried with backoff within ``remote.RETRY_*``, then
+- throttling (``503 SlowDown``, a plain 503): retried with backoff within ``remote.failures.RETRY_*``, then
   ``RemoteThrottledError`` naming the URI and what to do, in bounded time;
 - an object replaced while it is read: ``If-Match`` with the first ETag makes every later request of
   the load a 412, so ``RemoteChangedError`` at once; another version's bytes inside one response (a
@@ -34,7 +34,6 @@ from helpers.synthetic import fresh_synthetic_model, write_synthetic_checkpoint
 from tensorizer_manifest._constants import STALL_TIMEOUT_ENV
 from tensorizer_manifest.checks.validate import open_checked, validate_checkpoint
 from tensorizer_manifest.errors import (
-    ConfigurationError,
     IntegrityError,
     RemoteChangedError,
     RemoteStalledError,
@@ -44,9 +43,10 @@ from tensorizer_manifest.errors import (
 )
 from tensorizer_manifest.format.generation import POINTER_NAME
 from tensorizer_manifest.load.restore import restore_tensors
-from tensorizer_manifest.storage import remote, tensor_file
+from tensorizer_manifest.storage import tensor_file
 from tensorizer_manifest.storage.checkpoint import load_manifest
-from tensorizer_manifest.storage.remote import RemoteDir, RemoteFile, RemoteOptions, transfer_error, upload_checkpoint
+from tensorizer_manifest.storage.remote import RemoteDir, RemoteFile, RemoteOptions, failures, objects
+from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 from tensorizer_manifest.storage.tensor_file import TensorFileReader, read_index
 
 SECRET = "fleet-secret-never-shown-0a1b2c3d4e5f"
@@ -98,10 +98,10 @@ def saved(tmp_path_factory, moto_s3):
 def fast_retries(monkeypatch):
     """Waits of tenths of seconds, so the tests that exhaust the attempts stay quick (the total time is
     generous: a busy machine's slow answers must not end the retries before the attempts do)."""
-    monkeypatch.setattr(remote, "RETRY_ATTEMPTS", 4)
-    monkeypatch.setattr(remote, "RETRY_BASE_DELAY_S", 0.05)
-    monkeypatch.setattr(remote, "RETRY_MAX_DELAY_S", 0.2)
-    monkeypatch.setattr(remote, "RETRY_TOTAL_S", 20.0)
+    monkeypatch.setattr(failures, "RETRY_ATTEMPTS", 4)
+    monkeypatch.setattr(failures, "RETRY_BASE_DELAY_S", 0.05)
+    monkeypatch.setattr(failures, "RETRY_MAX_DELAY_S", 0.2)
+    monkeypatch.setattr(failures, "RETRY_TOTAL_S", 20.0)
 
 
 @pytest.fixture
@@ -139,59 +139,6 @@ def replace_object(moto_s3, key: str, data: bytes) -> None:
 
 def tensor_key(saved) -> str:
     return f"{saved['uri'].removeprefix(f's3://{BUCKET}/')}/{saved['name']}"
-
-
-# -- classification, backoff --------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "message, kind",
-    [
-        ("Failed to open stream: HTTP/1.1 503 Slow Down\r\n", RemoteThrottledError),
-        ("Failed to open stream: HTTP/1.1 503 Service Unavailable\r\n", RemoteThrottledError),
-        ("Failed to open stream: HTTP/1.1 429 Too Many Requests\r\n", RemoteThrottledError),
-        ("Failed to open stream: HTTP/1.1 412 Precondition Failed\r\n", RemoteChangedError),
-        ("Failed to open stream: HTTP/1.1 500 Internal Server Error\r\n", RemoteStorageError),
-    ],
-)
-def test_throttling_and_replacement_answers_are_classified(message, kind):
-    error = transfer_error(OSError(message), "s3://b/x.tensors", "opening it")
-    assert type(error) is kind and str(error).startswith("s3://b/x.tensors: ")
-    assert remote._transient(OSError(message)) == (kind is not RemoteChangedError)
-
-
-def test_a_boto_slowdown_is_throttling():
-    import botocore.exceptions
-
-    answer = {"Error": {"Code": "SlowDown", "Message": "reduce"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
-    exc = botocore.exceptions.ClientError(answer, "HeadObject")
-    assert remote._transient(exc)
-    error = transfer_error(exc, "s3://b/x", "reading its size")
-    assert isinstance(error, RemoteThrottledError) and "request rate" in str(error)
-    denied = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
-    assert not remote._transient(botocore.exceptions.ClientError(denied, "HeadObject"))
-
-
-def test_a_file_keeps_the_first_version_it_sees():
-    f = RemoteFile("s3://b/x.tensors")
-    f._pin('"abc"', "reading its size")
-    f._pin('W/"abc"', "opening it")  # the same version, marked weak by a cache in between
-    assert f.etag == '"abc"'
-    with pytest.raises(RemoteChangedError, match="s3://b/x.tensors: the object was replaced"):
-        f._pin('"def"', "opening it")
-    assert f.etag is None  # let go: the next read starts with the version there now
-    http = RemoteFile("https://host/x.tensors")
-    http._pin('"abc"', "opening it")
-    assert http.etag is None  # over plain HTTP no version is kept (a CDN's nodes may differ)
-
-
-def test_backoff_grows_is_capped_and_jittered():
-    delays = [remote._backoff(n) for n in range(1, 12)]
-    assert all(remote.RETRY_BASE_DELAY_S / 2 <= d <= remote.RETRY_MAX_DELAY_S for d in delays)
-    assert remote._backoff(3) >= remote.RETRY_BASE_DELAY_S * 2  # 4x base, half of it jitter
-    assert len({round(remote._backoff(5), 6) for _ in range(20)}) > 1
-    worst = sum(min(remote.RETRY_MAX_DELAY_S, remote.RETRY_BASE_DELAY_S * 2**n) for n in range(remote.RETRY_ATTEMPTS))
-    assert worst <= remote.RETRY_TOTAL_S  # the default attempts fit in the total time
 
 
 # -- a clean fleet through the proxy: the accounting the fault tests rely on --------------------------------------
@@ -335,18 +282,18 @@ def test_throttling_that_does_not_stop_is_a_typed_error_in_bounded_time(saved, p
         f.size() if method == "HEAD" else f.open().close()
     elapsed = time.monotonic() - began
     assert elapsed <= 0.05 + 0.1 + 0.2 + 5, elapsed  # three short waits, four quick 503s, a client made
-    assert len(proxy.matching(method, saved["name"])) == remote.RETRY_ATTEMPTS
+    assert len(proxy.matching(method, saved["name"])) == failures.RETRY_ATTEMPTS
     text = str(exc.value)
     assert_clean_message(exc.value, str(f), options)
-    assert "throttling" in text and "request rate" in text and f"{remote.RETRY_ATTEMPTS} attempts" in text
+    assert "throttling" in text and "request rate" in text and f"{failures.RETRY_ATTEMPTS} attempts" in text
     assert SECRET not in caplog.text and key_id(0) not in caplog.text
 
 
 def test_the_total_retry_time_bounds_the_attempts(saved, proxy, monkeypatch):
-    monkeypatch.setattr(remote, "RETRY_ATTEMPTS", 100)
-    monkeypatch.setattr(remote, "RETRY_BASE_DELAY_S", 0.2)
-    monkeypatch.setattr(remote, "RETRY_MAX_DELAY_S", 0.4)
-    monkeypatch.setattr(remote, "RETRY_TOTAL_S", 1.5)
+    monkeypatch.setattr(failures, "RETRY_ATTEMPTS", 100)
+    monkeypatch.setattr(failures, "RETRY_BASE_DELAY_S", 0.2)
+    monkeypatch.setattr(failures, "RETRY_MAX_DELAY_S", 0.4)
+    monkeypatch.setattr(failures, "RETRY_TOTAL_S", 1.5)
     f = RemoteDir(saved["uri"], reader_options(proxy.url, 0)) / saved["name"]
     proxy.add(Fault(method="HEAD", status=503, times=10_000))
     began = time.monotonic()
@@ -418,7 +365,7 @@ def test_an_object_replaced_while_parallel_readers_stream_it_is_refused(saved, p
 def test_without_conditional_reads_the_hashes_catch_a_replaced_object(saved, proxy, moto_s3, monkeypatch):
     """The same replacement with If-Match off (a server that ignores it, as far as the reader knows): the
     new version's header is the same, its data is not; the content hashes stop the load."""
-    monkeypatch.setattr(remote, "CONDITIONAL_READS", False)
+    monkeypatch.setattr(objects, "CONDITIONAL_READS", False)
     key = tensor_key(saved)
     original = saved["tensors"].read_bytes()
     proxy.add(
@@ -510,52 +457,6 @@ def assert_stalled(error: BaseException | None, elapsed: float, uri: str, option
     text = str(error)
     assert_clean_message(error, uri, options)
     assert f"nothing for {STALL_S:g} s" in text and STALL_TIMEOUT_ENV in text and "check the server" in text, text
-
-
-@pytest.mark.parametrize(
-    "message",
-    [
-        "curl error: (28)",
-        "Failed to open stream: cURL exit code 28; see https://curl.se/docs/manpage.html#28",
-        "socket",
-        "boto",
-    ],
-)
-def test_timeouts_are_stalls_and_never_retried(message):
-    import botocore.exceptions
-
-    exc: BaseException = OSError(message)
-    if message == "socket":
-        exc = TimeoutError("timed out")
-    elif message == "boto":
-        exc = botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9/b/x?X-Amz-Signature=abc")
-    error = transfer_error(exc, "s3://b/x.tensors", "reading it", 7.5)
-    assert type(error) is RemoteStalledError and isinstance(error, RemoteStorageError)
-    assert str(error).startswith("s3://b/x.tensors: the server sent nothing for 7.5 s while reading it"), error
-    assert "X-Amz" not in str(error) and "Signature" not in str(error)
-    assert not remote._transient(exc)
-
-
-def test_the_stall_timeout_setting(monkeypatch):
-    monkeypatch.delenv(STALL_TIMEOUT_ENV, raising=False)
-    assert RemoteOptions().stall_timeout() == remote.STALL_TIMEOUT_S == 60.0
-    monkeypatch.setenv(STALL_TIMEOUT_ENV, "5")
-    assert RemoteOptions().stall_timeout() == 5.0
-    options = RemoteOptions("AKIDEXAMPLE", "a-secret-value", "http://127.0.0.1:9", stall_timeout_s=2.5)
-    assert options.stall_timeout() == 2.5  # the option before the environment
-    assert "stall_timeout_s=2.5" in repr(options) and "a-secret-value" not in repr(options)
-    resolved = remote._resolve(options)
-    assert resolved.stall_timeout_s == 2.5
-    assert remote._s3_client(resolved).meta.config.read_timeout == 2.5  # HEADs and listings
-    assert remote._stall_limit(2.5).curl_flags == ("--speed-limit", "1", "--speed-time", "3")  # streams, ranges
-    assert remote._stall_limit(0.2).curl_flags[-1] == "1"
-    for bad in ("soon", "0", "-1", "nan", "inf"):
-        monkeypatch.setenv(STALL_TIMEOUT_ENV, bad)
-        with pytest.raises(ConfigurationError, match=STALL_TIMEOUT_ENV):
-            RemoteOptions().stall_timeout()
-    for bad in (0, -2.0, float("nan"), True):
-        with pytest.raises(ConfigurationError, match="stall_timeout_s"):
-            RemoteOptions(stall_timeout_s=bad)
 
 
 _HEADERS = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: 100\r\n\r\n"
