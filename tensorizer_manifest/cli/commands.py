@@ -479,7 +479,7 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
 @click.option(
     "--format-version",
     type=click.Choice(["2", "3"]),
-    default="2",
+    default="3",
     show_default=True,
     help="3: immutable generations behind one pointer, committed once for every rank, the model files inside. "
     "2: one manifest per rank (read by older versions too).",

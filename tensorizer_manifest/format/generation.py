@@ -41,6 +41,9 @@ POINTER_NAME = "tensorizer-manifest.json"
 GENERATIONS_DIR = "generations"
 """Each generation's own files are under ``generations/<id>/``."""
 GENERATION_DOCUMENT = "generation.json"
+STUB = b'{"format_version": 3, "pointer": "' + POINTER_NAME.encode() + b'"}\n'
+"""What a reader of format version 1 or 2 finds at a rank's old manifest name: "version 3, upgrade" (constant
+bytes, so writing it again changes nothing), never the manifest of an older save."""
 
 _GENERATION_ID = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{32}$"
 GenerationId = Annotated[str, msgspec.Meta(pattern=_GENERATION_ID)]

@@ -20,12 +20,12 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from ..errors import CheckpointNotFoundError, ConfigurationError
-from ..format.generation import POINTER_NAME
 from ..format.schema import MANIFEST_SUFFIX
-from ..storage.checkpoint import read_manifest
+from ..storage.checkpoint import encryption_key_from, read_manifest, signing_key_from
+from ..storage.generations import S3Checkpoint, refresh_top_level
 from ..storage.options import S3Options, describe_validation_error
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
-from ..storage.remote_checkpoint import fetch_model_files
+from ..storage.remote_checkpoint import fetch_model_files, publish_to_s3
 from .from_source import (
     encryption_key_file_path,
     read_model_config,
@@ -110,12 +110,10 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     location = RemoteDir(uri, remote)
     if location.scheme != "s3":
         raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
-    if (location / POINTER_NAME).exists():
-        raise ConfigurationError(
-            f"{uri}: add-form on an s3:// checkpoint of format version 3 is not supported yet; run it on a local "
-            "copy of the checkpoint, or save the checkpoint with this machine kind's form"
-        )
     probe_conditional_writes(location, opts.allow_unconditional_writes)
+    store = S3Checkpoint(location, opts.allow_unconditional_writes)
+    if store.read_pointer() is not None:
+        return _add_form_to_generations(uri, store, opts)
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
         fetch_model_files(uri, stage, remote)
@@ -132,6 +130,29 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
         for name, (etag, before) in sorted(staged.items()):
             if (stage / name).read_bytes() != before:  # a rank that added a form: only over the version staged
                 (location / name).upload_if(stage / name, etag)
+    return AddFormResult(checkpoint=uri, ranks=result.ranks)
+
+
+def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions) -> AddFormResult:
+    """An ``s3://`` checkpoint of format version 3: its current generation is staged without its tensor files (the
+    engine streams those from ``uri``), the form is committed there as a new generation over it, and that one is
+    published to ``uri`` only over the generation the engine loaded (``ConcurrentWriteError`` when a save or
+    another add-form committed since: nothing of this one is then current, and ``gc`` removes what it uploaded)."""
+    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
+        stage = Path(staging)
+        store.stage(stage)
+        refresh_top_level(stage)  # the model files and stubs where vLLM's ``model`` path reads them
+        result = _add_form(stage, opts, checkpoint_dir=uri)
+        if any(rank.get("generation") for rank in result.ranks):
+            publish_to_s3(
+                stage,
+                uri,
+                opts.remote(),
+                signing_key=signing_key_from(signing_key_file_path(opts.signing_key_file)),
+                encryption_key=encryption_key_from(encryption_key_file_path(opts.encryption_key_file)),
+                allow_unconditional_writes=opts.allow_unconditional_writes,
+                only_over_its_parent=True,
+            )
     return AddFormResult(checkpoint=uri, ranks=result.ranks)
 
 

@@ -33,8 +33,7 @@ from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
 from ..storage.options import S3Options, describe_validation_error
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
-from ..storage.remote_checkpoint import upload_checkpoint
-from .publish import publish_to_s3
+from ..storage.remote_checkpoint import publish_to_s3, upload_checkpoint
 from .write import copy_model_files
 
 
@@ -112,7 +111,7 @@ class SaveOptions(S3Options):
         ),
     )
     format_version: Literal[2, 3] = Field(
-        2,
+        3,
         description=(
             "3: the checkpoint as immutable generations behind one pointer, committed once for every rank, with "
             "the model files inside (docs/design.md, 'Format version 3'; "

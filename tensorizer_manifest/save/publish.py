@@ -12,12 +12,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
 from .._constants import PRODUCER
 from ..errors import CheckpointNotFoundError, IntegrityError, TensorizerManifestError
 from ..format.generation import (
-    GENERATION_DOCUMENT,
     GENERATIONS_FORMAT_VERSION,
     POINTER_NAME,
     FileRef,
@@ -32,15 +29,10 @@ from ..format.generation import (
 )
 from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
 from ..storage.checkpoint import checkpoint_stem
-from ..storage.files import replace_atomically
-from ..storage.generations import LocalCheckpoint, S3Checkpoint
-from ..storage.remote import RemoteDir, RemoteOptions, is_model_file
+from ..storage.generations import LocalCheckpoint, refresh_top_level
+from ..storage.remote import is_model_file
 
 logger = logging.getLogger(__name__)
-
-#: What a reader of format version 1 or 2 finds at a rank's old manifest name: "version 3, upgrade" (constant
-#: bytes, so writing it again changes nothing), never the manifest of an older save.
-STUB = b'{"format_version": 3, "pointer": "' + POINTER_NAME.encode() + b'"}\n'
 
 
 @dataclass(frozen=True)
@@ -182,84 +174,3 @@ def with_new_manifests(publication: Publication, parent: Generation) -> list[For
                 ranks.append(rank)
         form_sets.append(FormSet(layout=old.layout, fingerprint=old.fingerprint, ranks=ranks))
     return form_sets
-
-
-def refresh_top_level(root: Path, rounds: int = 8) -> None:
-    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's, and leave a stub at
-    each rank's old manifest name; again while another writer moves the pointer meanwhile (the last writer leaves
-    them matching). Loads check these copies against the generation, so a stale one is refused, never used."""
-    store = LocalCheckpoint(root)
-    for _ in range(rounds):
-        generation = store.current()
-        if generation is None:
-            return
-        for model_file in generation.model_files:
-            data = (root / model_file.file.path).read_bytes()
-            target = root / model_file.name
-            if not target.is_file() or target.read_bytes() != data:
-                replace_atomically(target, data)
-        for stem in {rank.stem for form_set in generation.form_sets for rank in form_set.ranks}:
-            stub = root / f"{stem}.manifest.json"
-            if not stub.is_file() or stub.read_bytes() != STUB:
-                replace_atomically(stub, STUB)
-        if store.current_generation_id() == generation.id:
-            return
-
-
-#: Files of a staged generation smaller than this go up in one conditional request (create-only); larger ones
-#: (tensor files) through tensorizer's upload, under keys that carry the generation's id.
-SMALL_FILE_BYTES = 16 << 20
-
-
-def publish_to_s3(
-    staging: Path,
-    uri: str,
-    options: RemoteOptions,
-    *,
-    signing_key: SigningKey | None = None,
-    encryption_key: EncryptionKey | None = None,
-    allow_unconditional_writes: bool = False,
-) -> Generation:
-    """The generation committed in the local ``staging`` checkpoint, committed to ``uri`` over the generation
-    current there: its files uploaded as new keys (nothing a committed generation names is touched), its document
-    sealed again with its parent there, then one conditional PUT of the pointer (``ConcurrentWriteError`` when
-    another writer committed since this one read it). A failure before that PUT commits nothing: what was
-    uploaded is an orphan that ``gc`` removes. Then the top level is refreshed and old generations collected."""
-    staged = LocalCheckpoint(staging).current()
-    if staged is None:
-        raise CheckpointNotFoundError(f"{staging}: no generation to publish")
-    store = S3Checkpoint(RemoteDir(uri, options), allow_unconditional_writes)
-    parent = store.current_generation_id()
-    folder = staging / generation_dir(staged.id)
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        relative = path.relative_to(staging).as_posix()
-        if path.name == GENERATION_DOCUMENT:
-            continue
-        if path.stat().st_size < SMALL_FILE_BYTES:
-            store.put(relative, path.read_bytes())
-        else:
-            store.upload(relative, path)
-    generation = seal_generation(msgspec.structs.replace(staged, parent=parent, seal=None), signing_key, encryption_key)
-    store.commit(generation)
-    try:
-        refresh_remote_top_level(store)
-        store.gc(store.plan_gc())
-    except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
-        logger.warning("%s: committed; tidying up after it failed (%s)", uri, exc)
-    return generation
-
-
-def refresh_remote_top_level(store: S3Checkpoint, rounds: int = 8) -> None:
-    """``refresh_top_level`` on S3: the model files at the prefix's top and the stubs, from the current
-    generation, again while another writer moves the pointer."""
-    for _ in range(rounds):
-        generation = store.current()
-        if generation is None:
-            return
-        wanted = {m.name: store.root / m.file.path for m in generation.model_files}
-        wanted.update({f"{rank.stem}.manifest.json": None for fs in generation.form_sets for rank in fs.ranks})
-        for name, source in wanted.items():
-            data = STUB if source is None else source.read_bytes(64 << 20)
-            (store.root / name).put_bytes(data)
-        if store.current_generation_id() == generation.id:
-            return

@@ -5,7 +5,9 @@ pointer, only if it still names the generation the writer started from (``commit
 (``LocalCheckpoint``), on S3 with a conditional PUT (``S3Checkpoint``: ``If-Match`` on the ETag read,
 ``If-None-Match: *`` for the first). Generation ids never repeat, so neither compare has an ABA. ``gc`` removes
 what no generation current within a grace period names (``docs/design.md``, "Removing old generations"); the
-walk is the same for both stores, with the storage's own timestamps. No torch, no vLLM.
+walk is the same for both stores, with the storage's own timestamps. After a commit, the top level (the model
+files vLLM's ``model`` path reads, a stub at each rank's old manifest name) is refreshed from the current
+generation (``refresh_top_level``, ``refresh_remote_top_level``). No torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..format.generation import (
     GENERATION_DOCUMENT,
     GENERATIONS_DIR,
     POINTER_NAME,
+    STUB,
     FileRef,
     Generation,
     Pointer,
@@ -101,6 +104,9 @@ class _Store:
 
         A document that is gone is a ``CheckpointNotFoundError`` naming the generation: ``gc`` removed it after a
         newer commit, so the caller read an old pointer (read it again)."""
+        return self._read_generation(generation_id, expected_hash)[1]
+
+    def _read_generation(self, generation_id: str, expected_hash: str | None) -> tuple[bytes, Generation]:
         relative = generation_document_path(generation_id)
         data = self._read(relative)
         if data is None:
@@ -116,7 +122,7 @@ class _Store:
         generation = decode_generation(data, f"{self.where}/{relative}")
         if generation.id != generation_id:
             raise IntegrityError(f"{self.where}/{relative}: it says it is generation {generation.id}")
-        return generation
+        return data, generation
 
     def current(self) -> Generation | None:
         """The current generation, through the pointer (its hash checked); None without a pointer."""
@@ -125,7 +131,34 @@ class _Store:
             return None
         return self.read_generation(pointer.generation, pointer.hash)
 
+    def stage(self, target: Path) -> Generation:
+        """A local checkpoint at ``target`` holding this one's current generation without its tensor files: the
+        pointer, the document, every rank's manifest and the model files, each checked against the hash the
+        generation records. What an engine that reads the tensors from here needs on its own disk, and what a
+        writer commits its new generation over (an add-form on S3: ``remote_checkpoint.publish_to_s3``)."""
+        pointer = self.read_pointer()
+        if pointer is None:
+            raise CheckpointNotFoundError(f"{self.where}: no {POINTER_NAME}; not a checkpoint of format version 3")
+        document, generation = self._read_generation(pointer.generation, pointer.hash)
+        local = LocalCheckpoint(target)
+        refs = [m.file for m in generation.model_files] + [r.manifest for s in generation.form_sets for r in s.ranks]
+        for ref in refs:
+            data = self._read(ref.path)
+            if data is None or blake3_hex(data) != ref.hash:
+                raise IntegrityError(
+                    f"{self.where}/{ref.path}: {'missing' if data is None else 'not the bytes'} generation "
+                    f"{generation.id} records; save the checkpoint again"
+                )
+            local.put(ref.path, data)
+        local.put(generation_document_path(generation.id), document)
+        replace_atomically(local.pointer_path, encode_pointer(pointer))
+        return generation
+
     # --- writing --------------------------------------------------------------------------------------------
+
+    def create(self, relative: str, data: bytes) -> bool:
+        """Create ``relative`` with ``data`` only if no file has that name; False: one had (left as it was)."""
+        return self._create(relative, data)
 
     def put(self, relative: str, data: bytes) -> FileRef:
         """Create ``relative`` with ``data``, only if no file has that name (writers never replace a file a
@@ -316,3 +349,44 @@ class S3Checkpoint(_Store):
             (self.root / POINTER_NAME).put_if(data, etag)  # the commit point
         except ConcurrentWriteError:
             raise self._refuse(self.current_generation_id(), parent) from None
+
+
+# --- the top level: what vLLM's ``model`` path and readers of versions 1 and 2 find ---------------------------
+
+
+def refresh_top_level(root: Path, rounds: int = 8) -> None:
+    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's, and leave a stub at
+    each rank's old manifest name; again while another writer moves the pointer meanwhile (the last writer leaves
+    them matching). Loads check these copies against the generation, so a stale one is refused, never used."""
+    store = LocalCheckpoint(root)
+    for _ in range(rounds):
+        generation = store.current()
+        if generation is None:
+            return
+        for model_file in generation.model_files:
+            data = (root / model_file.file.path).read_bytes()
+            target = root / model_file.name
+            if not target.is_file() or target.read_bytes() != data:
+                replace_atomically(target, data)
+        for stem in {rank.stem for form_set in generation.form_sets for rank in form_set.ranks}:
+            stub = root / f"{stem}.manifest.json"
+            if not stub.is_file() or stub.read_bytes() != STUB:
+                replace_atomically(stub, STUB)
+        if store.current_generation_id() == generation.id:
+            return
+
+
+def refresh_remote_top_level(store: S3Checkpoint, rounds: int = 8) -> None:
+    """``refresh_top_level`` on S3: the model files at the prefix's top and the stubs, from the current
+    generation, again while another writer moves the pointer."""
+    for _ in range(rounds):
+        generation = store.current()
+        if generation is None:
+            return
+        wanted = {m.name: store.root / m.file.path for m in generation.model_files}
+        wanted.update({f"{rank.stem}.manifest.json": None for fs in generation.form_sets for rank in fs.ranks})
+        for name, source in wanted.items():
+            data = STUB if source is None else source.read_bytes(64 << 20)
+            (store.root / name).put_bytes(data)
+        if store.current_generation_id() == generation.id:
+            return

@@ -1,5 +1,7 @@
-"""A whole checkpoint to and from remote storage: ``upload_checkpoint`` (a checkpoint saved locally, to an S3
-prefix) and ``fetch_model_files`` (a remote checkpoint's config and tokenizer files, for vLLM's ``model``).
+"""A whole checkpoint to and from remote storage: ``publish_to_s3`` (a local generation of format version 3
+committed to an S3 prefix: what every writer to S3 does), ``upload_checkpoint`` (a checkpoint saved locally, of any
+version, to an S3 prefix) and ``fetch_model_files`` (a remote checkpoint's config and tokenizer files, for vLLM's
+``model``).
 
 Beside ``checkpoint`` (which finds and reads a checkpoint's files, local or remote); the objects themselves,
 their credentials and failures are the ``remote`` package's.
@@ -7,38 +9,73 @@ their credentials and failures are the ``remote`` package's.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import ConfigurationError, IntegrityError, RemoteNotFoundError
-from ..format.generation import POINTER_NAME, decode_pointer, generation_named
-from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, blake3_hex
+import msgspec
+
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    IntegrityError,
+    RemoteNotFoundError,
+    TensorizerManifestError,
+)
+from ..format.generation import (
+    POINTER_NAME,
+    Generation,
+    decode_pointer,
+    generation_dir,
+    generation_named,
+    seal_generation,
+)
+from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, EncryptionKey, SigningKey, blake3_hex, seal_mode
+from .checkpoint import encryption_key_from, signing_key_from
+from .generations import LocalCheckpoint, S3Checkpoint, refresh_remote_top_level
 from .remote import HTTP_MODEL_FILES, RemoteDir, RemoteOptions, is_model_file, probe_conditional_writes
 
 #: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
+logger = logging.getLogger(__name__)
+
 _MAX_DOCUMENT_BYTES = 64 << 20
 
 
 def upload_checkpoint(
-    local_dir: Path, uri: str, options: RemoteOptions | None = None, allow_unconditional_writes: bool = False
+    local_dir: Path,
+    uri: str,
+    options: RemoteOptions | None = None,
+    allow_unconditional_writes: bool = False,
+    *,
+    signing_key_file: str | os.PathLike | None = None,
+    encryption_key_file: str | os.PathLike | None = None,
 ) -> list[str]:
-    """Upload a saved checkpoint: tensor files first, then config and tokenizer files, manifests last.
+    """Upload a checkpoint saved locally; returns the paths uploaded.
 
-    So a reader that finds a manifest finds its tensor file beside it. Then the tensor files an earlier
-    save to the same prefix left (same stem, another content digest, named by no manifest any more) are
-    removed, as a local re-save removes them. Returns the names uploaded.
+    Format version 3: its current generation is committed to ``uri`` as a writer there would
+    (``publish_to_s3``): new keys, then one conditional PUT of the pointer. A generation sealed with a key, going
+    over another generation than its parent there, is sealed again: give its key's file (else
+    ``$TENSORIZER_MANIFEST_SIGNING_KEY`` / ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY`` name it, as for ``save``).
+    Versions 1 and 2: tensor files first, then config and tokenizer files, manifests last, each manifest only
+    over the version found (so a reader that finds a manifest finds its tensor file beside it); then the tensor
+    files an earlier save to the same prefix left (same stem, another digest, named by no manifest) are removed.
     """
     target = RemoteDir(uri, options or RemoteOptions())
     if target.scheme != "s3":
         raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
-    if (Path(local_dir) / "tensorizer-manifest.json").is_file():
-        raise ConfigurationError(
-            f"{local_dir}: a checkpoint of format version 3; save it to {uri} directly "
-            "(`tensorizer-manifest save SRC s3://... --format-version 3`), which commits its generation there"
-        )
     probe_conditional_writes(target, allow_unconditional_writes)
+    if (Path(local_dir) / POINTER_NAME).is_file():
+        generation = publish_to_s3(
+            Path(local_dir),
+            uri,
+            options or RemoteOptions(),
+            signing_key=signing_key_from(signing_key_file),
+            encryption_key=encryption_key_from(encryption_key_file),
+            allow_unconditional_writes=allow_unconditional_writes,
+        )
+        return generation.named_paths()
     files = sorted(p for p in Path(local_dir).iterdir() if p.is_file() and not p.name.startswith("."))
     tensors = [p for p in files if p.name.endswith(TENSORS_SUFFIX)]
     manifests = [p for p in files if p.name.endswith(MANIFEST_SUFFIX)]
@@ -53,6 +90,70 @@ def upload_checkpoint(
         if name not in uploaded and any(_same_stem(name, new) for new in uploaded):
             (target / name).delete()
     return [p.name for p in [*tensors, *others, *manifests]]
+
+
+#: Files of a staged generation smaller than this go up in one conditional request (create-only); larger ones
+#: (tensor files) through tensorizer's upload, under keys that carry the generation's id.
+SMALL_FILE_BYTES = 16 << 20
+
+
+def publish_to_s3(
+    staging: Path,
+    uri: str,
+    options: RemoteOptions,
+    *,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+    allow_unconditional_writes: bool = False,
+    only_over_its_parent: bool = False,
+) -> Generation:
+    """The current generation of the local checkpoint ``staging``, committed to ``uri`` over the generation current
+    there: every file it names uploaded as a new key (its own folder's; an earlier generation's only where ``uri``
+    lacks it; nothing a committed generation names is touched), its document sealed again when its parent there
+    differs, then one conditional PUT of the pointer (``ConcurrentWriteError`` when another writer committed
+    since this one read it). A failure before that PUT commits nothing: what was uploaded is an orphan that ``gc``
+    removes. Then the top level is refreshed and old generations collected.
+
+    ``only_over_its_parent``: a write made from one generation (an add-form keeps its tensor files and adds to
+    its manifests) is committed over that one only, never over a newer save (``ConcurrentWriteError``)."""
+    staged = LocalCheckpoint(staging).current()
+    if staged is None:
+        raise CheckpointNotFoundError(f"{staging}: no generation to publish")
+    store = S3Checkpoint(RemoteDir(uri, options), allow_unconditional_writes)
+    parent = staged.parent if only_over_its_parent else store.current_generation_id()
+    generation = staged
+    if parent != staged.parent:  # checked before anything is uploaded
+        if staged.seal is not None and staged.seal.mode != seal_mode(signing_key, encryption_key):
+            raise ConfigurationError(
+                f"{staging}: generation {staged.id} is sealed with a key ({staged.seal.mode}), and committing it over "
+                f"generation {parent or 'none'} at {uri} seals it again: give the same key"
+            )
+        generation = seal_generation(
+            msgspec.structs.replace(staged, parent=parent, seal=None), signing_key, encryption_key
+        )
+    own = generation_dir(staged.id) + "/"
+    for relative in staged.named_paths():
+        target = store.root / relative
+        if not relative.startswith(own) and target.exists():
+            continue  # an earlier generation's file, there already
+        path = staging / relative
+        if not path.is_file():
+            raise CheckpointNotFoundError(
+                f"{path}: generation {staged.id} names it, and it is neither here nor at {uri}; save the checkpoint "
+                "again"
+            )
+        if path.stat().st_size >= SMALL_FILE_BYTES:
+            store.upload(relative, path)  # under this generation's id: no other writer uses the key
+        elif not store.create(relative, path.read_bytes()):  # there already: an earlier try of this publish
+            if blake3_hex(target.read_bytes(SMALL_FILE_BYTES)) != blake3_hex(path.read_bytes()):
+                raise IntegrityError(f"{target}: holds other bytes than {path}; this generation id was used twice")
+    store.commit(generation)
+    try:
+        refresh_remote_top_level(store)
+        store.gc(store.plan_gc())
+    except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
+        logger.warning("%s: committed; tidying up after it failed (%s)", uri, exc)
+    return generation
 
 
 def _same_stem(name: str, tensor_file: str) -> bool:

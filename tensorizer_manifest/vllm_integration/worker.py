@@ -71,12 +71,13 @@ class ManifestWorkerExtension:
         portable: bool = False,
         allow_unverified: bool = False,
         fallbacks: bool = True,
-        format_version: int = 2,
+        format_version: int = 3,
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
-        ``format_version=3``: as a new generation of the checkpoint (``save.publish``): every rank writes into
-        the generation's folder, and the first rank commits the pointer once for all (``docs/design.md``).
+        ``format_version=3`` (the default): as a new generation of the checkpoint (``save.publish``): every rank
+        writes into the generation's folder, and the first rank commits the pointer once for all
+        (``docs/design.md``). ``format_version=2``: one manifest per rank, for readers older than 0.5.
 
         An engine vLLM's default loader loaded (no ``tensorizer_manifest_capture``) is saved too: each
         layer's state before vLLM's post-load step is rebuilt from the engine's source weights, one layer at a

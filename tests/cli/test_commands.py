@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import needs_fp8_kv
+from helpers.checkpoints import manifest_file
 
 CLI = [sys.executable, "-m", "tensorizer_manifest.cli"]
 
@@ -21,7 +22,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.e2e
 def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
     checkpoint = Path(scenarios.e2e("w8a8-int8")["checkpoint"])
-    manifest = json.loads((checkpoint / "model.manifest.json").read_text())
+    manifest = json.loads(manifest_file(checkpoint).read_text())
 
     table = run("inspect", str(checkpoint))
     assert table.returncode == 0, table.stderr
@@ -36,7 +37,10 @@ def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
     assert [row["path"] for row in doc["layers"]] == [m["path"] for m in manifest["modules"]]
     raw = sum(1 for m in manifest["modules"] if m["state"] == "raw")
     assert doc["summary"]["raw_layers"] == raw == 8
-    assert doc["summary"]["tensor_file_bytes"] == (checkpoint / manifest["tensor_file"]["path"]).stat().st_size
+    assert (
+        doc["summary"]["tensor_file_bytes"]
+        == (manifest_file(checkpoint).parent / manifest["tensor_file"]["path"]).stat().st_size
+    )
     qkv = next(r for r in doc["layers"] if r["path"].endswith("layers.0.self_attn.qkv_proj"))
     # What the int8 kernel's step creates differs by CPU (azp_adj without oneDNN's VNNI path, a kernel object
     # with it): the table shows whatever the capture saw.
@@ -103,10 +107,13 @@ def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = {p.name for p in out.iterdir()}
-    assert {"config.json", "tokenizer.json", "model.manifest.json"} <= names
-    assert not any(n.endswith(".safetensors") for n in names), "weights of SRC must not be copied"
-    assert sum(n.endswith(".tensors") for n in names) == 1
+    names = {p.name for p in out.iterdir()}  # format version 3: the pointer, model files and a stub at the top
+    assert {"config.json", "tokenizer.json", "model.manifest.json", "tensorizer-manifest.json"} <= names
+    everywhere = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
+    assert not any(n.endswith(".safetensors") for n in everywhere), "weights of SRC must not be copied"
+    assert [n.rpartition("/")[0] for n in everywhere if n.endswith(".tensors")] == [
+        manifest_file(out).parent.relative_to(out).as_posix()
+    ], "one tensor file, in the current generation's folder"
     valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
     assert valid.returncode == 0, valid.stderr
 
@@ -154,7 +161,7 @@ def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
         env=in_process,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads((out / "model.manifest.json").read_text())
+    manifest = json.loads(manifest_file(out).read_text())
     assert manifest["fingerprint"]["kv_cache_dtype"] == "fp8"
     valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
     assert valid.returncode == 0, valid.stderr

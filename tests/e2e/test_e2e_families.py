@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import kind_param
+from helpers.checkpoints import manifest_file
 
 from tensorizer_manifest.testing.families import FAMILIES
 from tensorizer_manifest.testing.tiny import TINY_KINDS
@@ -74,7 +75,7 @@ def test_a_family_is_saved_in_its_own_settings(scenarios, kind):
     result = scenarios.e2e(kind)
     checkpoint = Path(result["checkpoint"])
     source = json.loads((checkpoint.parent / f"tiny-{kind}" / "config.json").read_text())
-    manifest = json.loads((checkpoint / "model.manifest.json").read_text())
+    manifest = json.loads(manifest_file(checkpoint).read_text())
     fingerprint = manifest["fingerprint"]
     assert fingerprint["architectures"] == source["architectures"]
     assert fingerprint["dtype"] == FAMILIES[kind].engine.get("dtype", "bfloat16")

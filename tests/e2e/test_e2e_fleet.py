@@ -23,7 +23,7 @@ import pytest
 from helpers.fleet import Engine, engine_key_id, run_fleet
 from helpers.servers import BUCKET, Fault, FaultProxy
 
-from tensorizer_manifest.storage.checkpoint import load_manifest
+from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
 from tensorizer_manifest.storage.remote import RemoteOptions
 from tensorizer_manifest.storage.remote_checkpoint import upload_checkpoint
 from tensorizer_manifest.storage.tensor_file import read_index
@@ -40,8 +40,8 @@ def fleet(scenarios, moto_s3, e2e_dir) -> dict:
     local = Path(llama["checkpoint"])
     uri = f"s3://{BUCKET}/fleet-{uuid.uuid4().hex[:8]}"
     upload_checkpoint(local, uri, RemoteOptions(moto_s3.key_id, moto_s3.secret, moto_s3.endpoint))
-    manifest, _ = load_manifest(local)
-    tensors = local / manifest.tensor_file.path
+    manifest, manifest_path = load_manifest(local)
+    tensors = resolve_tensor_file(manifest, manifest_path)  # in its generation's folder
     index = read_index(tensors)
     largest = max(index.values(), key=lambda e: e.data_length)
     with FaultProxy(moto_s3) as healthy, FaultProxy(moto_s3) as dying:
@@ -59,7 +59,7 @@ def fleet(scenarios, moto_s3, e2e_dir) -> dict:
         stopped = [r for r in dying.requests if r.fault and r.fault.startswith("stopped")]
     return {
         "uri": uri,
-        "tensor_uri": f"{uri}/{tensors.name}",
+        "tensor_uri": f"{uri}/{tensors.relative_to(local).as_posix()}",
         "reference": llama["reference_tokens"],
         "size": tensors.stat().st_size,
         "non_data": tensors.stat().st_size - sum(e.data_length for e in index.values()),

@@ -5,6 +5,8 @@ it needs, within a bounded time."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_script
 
@@ -28,8 +30,10 @@ def test_two_nodes_load_one_tensor_parallel_checkpoint_from_s3_token_exact(resul
 def test_each_node_reads_only_its_own_rank_from_the_bucket(result):
     uri = result["uri"]
     loads = result["manifest"]["loads"]
-    assert [load["manifest"] for load in loads["0"]] == [f"{uri}/model-tp0-of-2.manifest.json"]
-    assert [load["manifest"] for load in loads["1"]] == [f"{uri}/model-tp1-of-2.manifest.json"]
+    (generation,) = {load["manifest"].removeprefix(f"{uri}/").rpartition("/")[0] for r in "01" for load in loads[r]}
+    assert re.fullmatch(r"generations/[0-9TZ]+-[0-9a-f]{32}", generation)  # both ranks: one generation
+    assert [load["manifest"] for load in loads["0"]] == [f"{uri}/{generation}/model-tp0-of-2.manifest.json"]
+    assert [load["manifest"] for load in loads["1"]] == [f"{uri}/{generation}/model-tp1-of-2.manifest.json"]
     assert all(float(load["mb"]) > 0 for rank in ("0", "1") for load in loads[rank])
     assert sorted(n for n in result["saved"] if n.endswith(".manifest.json")) == [
         "model-tp0-of-2.manifest.json",

@@ -7,6 +7,8 @@ One scenario process (five engine starts) serves every test here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_script
 
@@ -35,7 +37,10 @@ def test_s3_round_trip_is_token_exact(remote_result):
     assert r["saved_to"] == r["uri"]
     assert {"config.json", "model.manifest.json"} <= set(r["objects"])
     assert any(name.endswith(".tensors") for name in r["objects"])
-    assert r["inspect"]["manifest"] == r["uri"] + "/model.manifest.json" and r["inspect"]["layers"] > 0
+    assert re.fullmatch(
+        re.escape(r["uri"]) + r"/generations/[0-9TZ]+-[0-9a-f]{32}/model\.manifest\.json", r["inspect"]["manifest"]
+    )
+    assert r["inspect"]["layers"] > 0
     assert r["validate"]["ok"], r["validate"]["problems"]
     assert r["validate"]["hashes_checked"] == r["validate"]["stored"] > 0
     assert "config.json" in r["fetched_s3"] and not any(

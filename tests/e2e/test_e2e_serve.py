@@ -127,7 +127,8 @@ def test_a_served_model_saves_itself_through_vllms_dev_rpc_endpoint(served):
     checkpoint directory is a model `vllm serve` starts on (the other test: token-exact)."""
     out = served["out"]
     [rank] = served["saved"]["results"]
-    assert rank["manifest"] == str(out / "model.manifest.json") and rank["layers"] > 0, served["saved"]
+    assert rank["manifest"] == str(out / "generations" / rank["generation"] / "model.manifest.json"), served["saved"]
+    assert rank["layers"] > 0 and (out / "tensorizer-manifest.json").is_file(), served["saved"]
     assert (out / "config.json").is_file()
 
 

@@ -100,4 +100,5 @@ def test_a_quantized_model_is_refused_by_the_previous_vllm_with_a_typed_error_na
         assert run.returncode != 0, f"{what}: vLLM {OLDER_VLLM} was not refused"
         assert f"UnsupportedVLLMError: vLLM {OLDER_VLLM} has no " in run.stderr, run.stderr[-4000:]
         assert "_hash_quant_config (takes no runtime_quant_config)" in run.stderr
-    assert not list(out.glob("*.manifest.json")) and not list(out.glob("*.tensors"))  # nothing written
+    assert not list(out.rglob("*.manifest.json")) and not list(out.rglob("*.tensors"))  # nothing written
+    assert not (out / "tensorizer-manifest.json").exists()

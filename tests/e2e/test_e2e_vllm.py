@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import kind_param, needs_fp8_kv, run_script
+from helpers.checkpoints import manifest_file
 
 pytestmark = pytest.mark.e2e
 
@@ -112,10 +113,9 @@ def test_linear_layers_processed_with_torch_fallback(scenarios):
 
 def test_tied_embeddings_are_stored_once_and_retied(scenarios):
     import json
-    from pathlib import Path
 
     result = scenarios.e2e("qwen3-tied")
-    manifest = json.loads((Path(result["checkpoint"]) / "model.manifest.json").read_text())
+    manifest = json.loads(manifest_file(result["checkpoint"]).read_text())
     lm_head = next(m for m in manifest["modules"] if m["path"] == "lm_head")
     weight = next(t for t in lm_head["tensors"] if t["name"] == "weight")
     assert weight["alias_of"] == "model.embed_tokens.weight" and weight["key"] is None

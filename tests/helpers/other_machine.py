@@ -36,27 +36,76 @@ def as_the_other_machine(manifest, layers: int | None = None) -> None:
 
 
 def edited_copy(checkpoint: Path, out: Path, edit: Callable, damage: bool = False) -> Path:
-    """The checkpoint with its manifest edited by ``edit(manifest)`` and sealed again (tensor file linked).
+    """The checkpoint with its manifest edited by ``edit(manifest)`` and sealed again (tensor files linked).
+    ``edit`` may return the new manifest's bytes itself (a document this version cannot write, sealed by the caller).
 
-    With ``damage``, the tensor file is a copy with one byte flipped in the first fallback tensor of the
-    first layer that has one (the data only: the headers and the index are as saved)."""
+    A checkpoint of format version 3 gets the edit as a writer would make it: a new generation, every file it names
+    in its own folder (so that ``publish_to_s3`` can take it as it is). With ``damage``, the tensor file is a copy
+    with one byte flipped in the first fallback tensor of the first layer that has one (the data only: the headers
+    and the index are as saved)."""
     from tensorizer_manifest.format import schema
+    from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
     from tensorizer_manifest.storage.tensor_file import read_index
 
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(checkpoint, out, copy_function=os.link)
-    path = out / "model.manifest.json"
-    manifest = schema.decode_manifest(path.read_bytes())
+    manifest, path = load_manifest(out)
+    tensor_files = [
+        resolve_tensor_file(manifest, path, ref) for ref in [None, *(f.tensor_file for f in manifest.added_forms)]
+    ]
+    folder = path.parent
+    generation = _new_generation(out) if path.parent != out else None
+    if generation is not None:
+        folder = generation.folder
+        tensor_files = [_link(file, folder / file.name) for file in tensor_files]
     if damage:
-        tensors = out / manifest.tensor_file.path
+        tensors = tensor_files[0]
         key = next(m for m in manifest.modules if m.fallback).fallback[0].key
         offset = read_index(tensors)[key].data_offset
         data = bytearray(tensors.read_bytes())
         data[offset] ^= 0xFF
         tensors.unlink()
         tensors.write_bytes(bytes(data))
-    edit(manifest)
-    manifest.seal = schema.seal_manifest(manifest)
-    path.unlink()  # a hard link: write a file of its own
-    path.write_bytes(schema.encode_manifest(manifest))
+    document = edit(manifest)
+    if document is None:
+        manifest.seal = schema.seal_manifest(manifest)
+        document = schema.encode_manifest(manifest)
+    target = folder / path.name
+    target.unlink(missing_ok=True)  # a hard link: write a file of its own
+    target.write_bytes(document)
+    if generation is not None:
+        _commit(generation, out, schema.decode_manifest(document))
     return out
+
+
+def _link(source: Path, target: Path) -> Path:
+    if not target.exists():
+        os.link(source, target)
+    return target
+
+
+def _new_generation(root: Path):
+    from tensorizer_manifest.format.generation import new_generation_id
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    current = LocalCheckpoint(root).current()
+    return publish.begin(root, new_generation_id(), parent=current.id, read_parent=False)
+
+
+def _commit(publication, root: Path, manifest) -> None:
+    """The edited copy's new generation: one rank (the tests' checkpoints are single-rank), its fingerprint the
+    edited manifest's, the model files carried."""
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    current = LocalCheckpoint(root).current()
+    (old,) = current.form_sets
+    (rank,) = old.ranks
+    ranks = [publish.rank_entry(publication, rank.stem)]
+    publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(old.layout, manifest.fingerprint, ranks)],
+        model_files=publish.carry_model_files(publication, current),
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -25,10 +24,11 @@ def test_a_pristine_checkpoint_passes_the_engine_check(scenarios):
 
 def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
     from helpers.bad_inputs import MODEL_BAD_INPUTS
+    from helpers.checkpoints import copy_as_version_2
 
     case = next(c for c in MODEL_BAD_INPUTS if c.name == "renamed-kernel")
     d = tmp_path / "ckpt"
-    shutil.copytree(scenarios.e2e("llama")["checkpoint"], d)
+    copy_as_version_2(scenarios.e2e("llama")["checkpoint"], d)
     case.mutate(d)
     offline = subprocess.run(
         [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True

@@ -15,8 +15,9 @@ from tensorizer_manifest.format import generation as g
 from tensorizer_manifest.format.schema import decode_manifest
 from tensorizer_manifest.save import publish
 from tensorizer_manifest.save.write import write_added_form, write_checkpoint
-from tensorizer_manifest.storage.checkpoint import load_manifest, read_manifest
+from tensorizer_manifest.storage.checkpoint import load_manifest, read_manifest, signing_key_from
 from tensorizer_manifest.storage.generations import LocalCheckpoint
+from tensorizer_manifest.storage.remote_checkpoint import publish_to_s3
 
 
 def _save(root, source, seed=0, fallbacks=True):
@@ -215,8 +216,8 @@ def test_a_generation_on_s3_loads_through_its_pointer_and_fetch_takes_its_own_mo
     from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files
 
     uri, options = _s3(moto_s3)
-    first = publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
-    second = publish.publish_to_s3(_stage(tmp_path, source, 1), uri, options)
+    first = publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+    second = publish_to_s3(_stage(tmp_path, source, 1), uri, options)
     assert first.parent is None and second.parent == first.id
     store = S3Checkpoint(RemoteDir(uri, options))
     assert store.current() == second
@@ -234,7 +235,7 @@ _RACING_WRITER = """
 import sys
 sys.path.insert(0, sys.argv[4])
 from pathlib import Path
-from tensorizer_manifest.save.publish import publish_to_s3
+from tensorizer_manifest.storage.remote_checkpoint import publish_to_s3
 from tensorizer_manifest.storage.remote import RemoteOptions
 from tensorizer_manifest.errors import ConcurrentWriteError
 try:
@@ -258,7 +259,7 @@ def test_two_re_saves_on_s3_one_commits_the_other_commits_nothing(moto_s3, tmp_p
     from tensorizer_manifest.storage.remote import RemoteDir
 
     uri, options = _s3(moto_s3)
-    base = publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+    base = publish_to_s3(_stage(tmp_path, source, 0), uri, options)
     other = tmp_path / "other-source"
     other.mkdir()
     (other / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}\n')
@@ -279,7 +280,7 @@ def test_two_re_saves_on_s3_one_commits_the_other_commits_nothing(moto_s3, tmp_p
         while not any(gate.glob("before-commit.*.reached")):
             assert writer_a.poll() is None and time.monotonic() < deadline, writer_a.stdout.read()
             time.sleep(0.05)
-        b = publish.publish_to_s3(staged_b, uri, options)  # B commits while A holds its generation
+        b = publish_to_s3(staged_b, uri, options)  # B commits while A holds its generation
     finally:
         (gate / "before-commit.release").touch()
         output, _ = writer_a.communicate(timeout=120)
@@ -299,24 +300,103 @@ def test_a_sharded_s3_commit_whose_rank_upload_fails_commits_nothing(moto_s3, tm
 
     uri, options = _s3(moto_s3)
     stems = ("model-tp0-of-2", "model-tp1-of-2")
-    base = publish.publish_to_s3(_stage(tmp_path, source, 0, stems), uri, options)
+    base = publish_to_s3(_stage(tmp_path, source, 0, stems), uri, options)
     before = {stem: load_manifest(uri, stem, remote=options)[0] for stem in stems}
-    put = S3Checkpoint.put
+    create = S3Checkpoint.create
 
-    def failing_put(self, relative, data):
+    def failing_create(self, relative, data):
         if "model-tp1-of-2" in relative:
             raise RemoteStorageError(f"{relative}: uploading it failed (the connection was reset)")
-        return put(self, relative, data)
+        return create(self, relative, data)
 
-    monkeypatch.setattr(S3Checkpoint, "put", failing_put)
+    monkeypatch.setattr(S3Checkpoint, "create", failing_create)
     with pytest.raises(RemoteStorageError, match="model-tp1-of-2"):
-        publish.publish_to_s3(_stage(tmp_path, source, 5, stems), uri, options)
+        publish_to_s3(_stage(tmp_path, source, 5, stems), uri, options)
     monkeypatch.undo()
     assert S3Checkpoint(RemoteDir(uri, options)).current_generation_id() == base.id
     for stem in stems:  # every rank still reads the one save it had, whole
         assert load_manifest(uri, stem, remote=options)[0] == before[stem]
         report = validate_checkpoint(f"{uri}/{stem}.manifest.json", remote=options)
         assert report.ok, report.problems
+
+
+def test_an_s3_generation_staged_without_tensors_takes_an_add_form_only_over_itself(moto_s3, tmp_path, source):
+    """add-form on S3: the current generation staged locally without its tensor files (checked by hash), a
+    generation made over it there, published only over it: never over a save committed meanwhile."""
+    from tensorizer_manifest.errors import ConcurrentWriteError, IntegrityError
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir
+
+    uri, options = _s3(moto_s3)
+    base = publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+    store = S3Checkpoint(RemoteDir(uri, options))
+    staged = store.stage(tmp_path / "stage")
+    assert staged == base and LocalCheckpoint(tmp_path / "stage").current() == base
+    local = {p.relative_to(tmp_path / "stage").as_posix() for p in (tmp_path / "stage").rglob("*") if p.is_file()}
+    (rank,) = base.form_sets[0].ranks
+    assert rank.manifest.path in local and {m.file.path for m in base.model_files} <= local
+    assert not [name for name in local if name.endswith(".tensors")], "tensor files stay where they are"
+
+    def made_over_base(stage):  # what add-form commits in its stage: a new manifest, the save's tensor file kept
+        publication = publish.begin(stage, g.new_generation_id(), parent=base.id, read_parent=False)
+        (loaded,) = base.form_sets[0].ranks
+        data = (stage / loaded.manifest.path).read_bytes()
+        (publication.folder / f"{loaded.stem}.manifest.json").write_bytes(data)
+        return publish.commit(
+            publication,
+            made_by="add-form",
+            form_sets=publish.with_new_manifests(publication, base),
+            model_files=publish.carry_model_files(publication, base),
+        )
+
+    added = made_over_base(tmp_path / "stage")
+    published = publish_to_s3(tmp_path / "stage", uri, options, only_over_its_parent=True)
+    assert published.id == added.id and published.parent == base.id and store.current() == published
+    assert load_manifest(uri, remote=options)[0] == load_manifest(tmp_path / "stage")[0]
+    assert published.form_sets[0].ranks[0].tensor_files == rank.tensor_files  # the save's file, not uploaded again
+
+    store.stage(tmp_path / "stage-2")  # a second add-form stages the add-form's generation...
+    newer = publish_to_s3(_stage(tmp_path, source, 1), uri, options)  # ...and a re-save commits meanwhile
+    base = published
+    made_over_base(tmp_path / "stage-2")
+    with pytest.raises(ConcurrentWriteError, match=newer.id):
+        publish_to_s3(tmp_path / "stage-2", uri, options, only_over_its_parent=True)
+    assert store.current() == newer
+
+    (RemoteDir(uri, options) / newer.model_files[0].file.path).delete()
+    (RemoteDir(uri, options) / newer.model_files[0].file.path).put_bytes(b"{}")  # a damaged copy
+    with pytest.raises(IntegrityError, match=newer.model_files[0].file.path):
+        store.stage(tmp_path / "stage-3")
+
+
+def test_upload_checkpoint_commits_a_local_generation_and_seals_it_again_only_with_its_key(moto_s3, tmp_path, source):
+    from tensorizer_manifest import upload_checkpoint
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir
+
+    uri, options = _s3(moto_s3)
+    staged = LocalCheckpoint(_stage(tmp_path, source, 0)).current()
+    uploaded = upload_checkpoint(tmp_path / "staging-0", uri, options)
+    store = S3Checkpoint(RemoteDir(uri, options))
+    assert store.current() == staged and sorted(uploaded) == sorted(staged.named_paths())
+    assert validate_checkpoint(uri, remote=options).ok
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"k" * 32)
+    signed = publish.begin(tmp_path / "signed", g.new_generation_id())
+    manifest = write_checkpoint(make_capture(1), signed.folder, "model")
+    publish.commit(
+        signed,
+        made_by="save",
+        form_sets=[publish.form_set(g.Layout(tp=1), manifest.fingerprint, [publish.rank_entry(signed, "model")])],
+        model_files=publish.copy_model_files(signed, source),
+        signing_key=signing_key_from(key_file),
+    )
+    with pytest.raises(ConfigurationError, match="sealed with a key"):
+        upload_checkpoint(tmp_path / "signed", uri, options)  # over another generation: sealed again, no key given
+    assert store.current() == staged
+    upload_checkpoint(tmp_path / "signed", uri, options, signing_key_file=key_file)
+    assert store.current().id == signed.generation_id and store.current().parent == staged.id
+    assert store.current().seal.mode == "mac"
 
 
 def test_a_server_that_ignores_conditional_writes_is_refused_unless_accepted(moto_s3, tmp_path, source):
@@ -330,10 +410,10 @@ def test_a_server_that_ignores_conditional_writes_is_refused_unless_accepted(mot
         uri, _ = _s3(moto_s3)
         options = RemoteOptions(moto_s3.key_id, moto_s3.secret, proxy.url)
         with pytest.raises(UnsafeStorageError, match="ignores conditional writes") as refused:
-            publish.publish_to_s3(_stage(tmp_path, source, 0), uri, options)
+            publish_to_s3(_stage(tmp_path, source, 0), uri, options)
         assert proxy.url in str(refused.value) and moto_s3.secret not in str(refused.value)
         assert [n for n in RemoteDir(uri, options).list_names()] == []  # nothing written, the probe removed
-        generation = publish.publish_to_s3(_stage(tmp_path, source, 1), uri, options, allow_unconditional_writes=True)
+        generation = publish_to_s3(_stage(tmp_path, source, 1), uri, options, allow_unconditional_writes=True)
         assert load_manifest(uri, remote=options)[0].tensor_file.digest
         assert generation.parent is None
     assert remote.probe_conditional_writes(RemoteDir(uri, RemoteOptions(moto_s3.key_id, moto_s3.secret,

@@ -3,14 +3,15 @@
 Usage: python tests/scenarios/bad_inputs_loader.py CHECKPOINT WORKDIR
 Prints ``LOADER_RESULT {json}``: per case, the exception type raised by
 ``LLM(..., load_format="tensorizer_manifest")`` (anywhere in its cause chain),
-its message, and whether any tokens were generated.
+its message, and whether any tokens were generated. Each case damages a copy laid out as format version
+2 (``helpers.checkpoints.copy_as_version_2``): in a version-3 checkpoint the generation's hashes catch every
+edit first.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
     from helpers.bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
+    from helpers.checkpoints import copy_as_version_2
     from helpers.errors import our_error
     from vllm import LLM, SamplingParams
 
@@ -30,7 +32,7 @@ def main() -> None:
     results = {}
     for case in BAD_INPUTS + MODEL_BAD_INPUTS:
         d = workdir / case.name / "ckpt"
-        shutil.copytree(checkpoint, d, symlinks=True)
+        copy_as_version_2(checkpoint, d)
         case.mutate(d)
         entry = {"error": None, "message": None, "tokens": None, "raised": None}
         llm = None

@@ -22,7 +22,7 @@ def main() -> None:
 
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.save.from_source import save_checkpoint
-    from tensorizer_manifest.storage.checkpoint import load_manifest
+    from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
     from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
@@ -49,7 +49,7 @@ def main() -> None:
     row = state["model.embed_tokens.weight"][5].contiguous()
     run = row.view(-1).view(__import__("torch").uint8).numpy().tobytes()[:64]
     for label, directory in (("encrypted", secret), ("plain", plain)):
-        tensor_file = os.path.join(directory, load_manifest(directory)[0].tensor_file.path)
+        tensor_file = resolve_tensor_file(*load_manifest(directory))
         with open(tensor_file, "rb") as f:
             result[f"embedding_bytes_in_{label}_file"] = run in f.read()
 

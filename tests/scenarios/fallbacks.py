@@ -42,21 +42,19 @@ def _a_newer_versions_restorer(manifest) -> None:
         module.replay = NEWER_RESTORER
 
 
-def _a_newer_versions_field(checkpoint: Path) -> None:
-    """Give the first added form a field this version does not know, and seal the manifest again, as the newer
-    version that wrote the field would."""
+def _a_newer_versions_field(manifest) -> bytes:
+    """The manifest with a field this version does not know in its first added form, sealed again as the newer
+    version that wrote the field would seal it."""
     import msgspec
 
     from tensorizer_manifest.format import schema
 
-    path = checkpoint / "model.manifest.json"
-    document = msgspec.json.decode(path.read_bytes())
+    document = msgspec.json.decode(schema.encode_manifest(manifest))
     document["added_forms"][0]["made_by"] = {"a_field_of_a_newer_version": True}
-    manifest = schema.decode_manifest(msgspec.json.encode(document))
-    assert isinstance(manifest.added_forms[0], schema.UnreadableForm), manifest.added_forms[0]
-    manifest.seal = schema.seal_manifest(manifest)
-    path.unlink()  # a hard link: write a file of its own
-    path.write_bytes(schema.encode_manifest(manifest))
+    newer = schema.decode_manifest(msgspec.json.encode(document))
+    assert isinstance(newer.added_forms[0], schema.UnreadableForm), newer.added_forms[0]
+    newer.seal = schema.seal_manifest(newer)
+    return schema.encode_manifest(newer)
 
 
 def _made_from_other_fallbacks(manifest) -> None:
@@ -65,14 +63,23 @@ def _made_from_other_fallbacks(manifest) -> None:
 
 def _edit_form_file(checkpoint: Path, how: str) -> None:
     """Delete the first added form's tensor file, or truncate it by one byte (a file of its own: it is a link)."""
-    from tensorizer_manifest.format import schema
+    from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
 
-    manifest = schema.decode_manifest((checkpoint / "model.manifest.json").read_bytes())
-    path = checkpoint / manifest.added_forms[0].tensor_file.path
+    manifest, manifest_path = load_manifest(checkpoint)
+    path = resolve_tensor_file(manifest, manifest_path, manifest.added_forms[0].tensor_file)
     data = path.read_bytes()
     path.unlink()
     if how == "truncate":
         path.write_bytes(data[:-1])
+
+
+def _every_file(checkpoint: Path) -> list[str]:
+    """Every file under the checkpoint, by its path there and its bytes' hash."""
+    from tensorizer_manifest.format.schema import blake3_hex
+
+    return sorted(
+        f"{p.relative_to(checkpoint)} {blake3_hex(p.read_bytes())}" for p in checkpoint.rglob("*") if p.is_file()
+    )
 
 
 def main() -> None:
@@ -85,7 +92,6 @@ def main() -> None:
     from helpers.post_load import install_post_load_counter
 
     from tensorizer_manifest.cli.demo import generate_tokens
-    from tensorizer_manifest.format import schema
     from tensorizer_manifest.storage import tensor_file
     from tensorizer_manifest.testing.tiny import engine_args
 
@@ -130,34 +136,43 @@ def main() -> None:
         cases["added-form-unknown-replay"] = edited_copy(
             added, workdir / f"{kind}-added-form-unknown-replay", _a_newer_versions_restorer
         )
-        cases["added-form-newer-field"] = edited_copy(added, workdir / f"{kind}-added-form-newer-field", lambda m: None)
-        _a_newer_versions_field(cases["added-form-newer-field"])
+        cases["added-form-newer-field"] = edited_copy(
+            added, workdir / f"{kind}-added-form-newer-field", _a_newer_versions_field
+        )
         cases["added-form-other-base"] = edited_copy(
             added, workdir / f"{kind}-added-form-other-base", _made_from_other_fallbacks
         )
         refused = edited_copy(checkpoint, workdir / f"{kind}-add-form-float16", as_the_other_machine)
+        before = _every_file(refused)
         try:
             add_form(refused, engine_args={"dtype": "float16"})
             result["add-form-float16"] = {"error": None}
         except Exception as exc:  # noqa: BLE001
             found = error_summary(exc)
             result["add-form-float16"] = {"error": f"{found['error']}: {found['message']}"}
-        result["add-form-float16"]["files"] = sorted(p.name for p in refused.iterdir())
+        result["add-form-float16"]["files"] = _every_file(refused)
+        result["add-form-float16"]["files_before"] = before
     s3 = None
     if not as_saved_only and os.environ.get("TM_TEST_S3_ENDPOINT"):
         # The same on S3: the other machine's checkpoint uploaded, add_form on its URI, then loaded from there.
         from helpers.servers import BUCKET
 
+        from tensorizer_manifest.storage.generations import S3Checkpoint
         from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions
-        from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, upload_checkpoint
+        from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, publish_to_s3
 
         endpoint, key_id, secret = (os.environ[f"TM_TEST_S3_{k}"] for k in ("ENDPOINT", "KEY_ID", "SECRET"))
         creds = {"s3_access_key_id": key_id, "s3_secret_access_key": secret, "s3_endpoint": endpoint}
         uri = f"s3://{BUCKET}/fallbacks/{kind}-{os.getpid()}"
-        upload_checkpoint(edited_copy(checkpoint, workdir / f"{kind}-s3", as_the_other_machine), uri,
-                          RemoteOptions(key_id, secret, endpoint))  # fmt: skip
+        options = RemoteOptions(key_id, secret, endpoint)
+        publish_to_s3(edited_copy(checkpoint, workdir / f"{kind}-s3", as_the_other_machine), uri, options)
         result["s3-add-form"] = add_form(uri, **creds).ranks[0]
-        result["s3-add-form"]["objects"] = RemoteDir(uri, RemoteOptions(key_id, secret, endpoint)).list_names()
+        current = S3Checkpoint(RemoteDir(uri, options)).current()
+        result["s3-add-form"]["current"] = {
+            "id": current.id,
+            "made_by": current.made_by,
+            "tensor_files": [path for form_set in current.form_sets for r in form_set.ranks for path in r.tensor_files],
+        }
         s3 = (fetch_model_files(uri, workdir / f"{kind}-s3-cache", RemoteOptions(key_id, secret, endpoint)),
               {"checkpoint_dir": uri, **creds})  # fmt: skip
         cases["s3-added-form"] = s3[0]
@@ -174,12 +189,12 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             found = error_summary(exc)
             entry["error"] = f"{found['error']}: {found['message']}"
-        if loader is not None:
-            from tensorizer_manifest.storage.checkpoint import load_manifest
+        from tensorizer_manifest.storage.checkpoint import load_manifest
 
+        if loader is not None:
             manifest = load_manifest(loader["checkpoint_dir"], remote=RemoteOptions(key_id, secret, endpoint))[0]
         else:
-            manifest = schema.decode_manifest((path / "model.manifest.json").read_bytes())
+            manifest = load_manifest(path)[0]
         entry["forms"] = report.get("forms")
         entry["post_load_counts"] = {f"{label}:{layer}": n for (label, layer), n in counts.items()}
         entry["keys_read"] = read["keys"]

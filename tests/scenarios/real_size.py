@@ -79,6 +79,7 @@ def main() -> None:
     def lap(name: str) -> None:
         laps[name] = round(time.perf_counter() - started - sum(laps.values()), 2)
 
+    from helpers.checkpoints import manifest_file
     from helpers.real_size import DTYPE, build, weight_bytes
 
     from tensorizer_manifest.testing.tiny import build_tiny_model
@@ -114,7 +115,7 @@ def main() -> None:
         out_dir, "tensorizer_manifest", args.max_tokens, report=report, **engine
     )
     lap("manifest_load")
-    manifest = json.loads((out_dir / "model.manifest.json").read_text())
+    manifest = json.loads(manifest_file(out_dir).read_text())
     result = {
         "model_dir": str(model_dir),
         "checkpoint": str(out_dir),

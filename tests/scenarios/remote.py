@@ -85,8 +85,10 @@ def main() -> None:
     root = workdir / "http-root"
     target = root / kind
     target.mkdir(parents=True, exist_ok=True)
-    for key in keys:
-        s3.download_file(BUCKET, key, str(target / key.rpartition("/")[2]))
+    for key in keys:  # at the same paths: a generation's files are under generations/<id>/
+        local = target / key.removeprefix(f"remote/{kind}/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        s3.download_file(BUCKET, key, str(local))
     with RangeHTTPServer(root) as server:
         http_uri = f"{server.url}/{kind}"
         http_cache = fetch_model_files(http_uri, workdir / "remote-cache-http")

@@ -8,6 +8,10 @@ Then two re-saves that fail on rank 1 only:
   after rank 0 committed: the checkpoint's ranks come from two saves, and loading it is refused before any
   tensor is read, naming both.
 
+Format version 2 (one manifest per rank, each committed by its rank after the vote), named explicitly: its
+failure between the ranks' commits is what this shows. Version 3 commits every rank at once
+(``scenarios/generations.py``: a TP=2 save and load of the default format, and a load racing a re-save).
+
 Usage: python tests/scenarios/tensor_parallel.py WORKDIR. Prints ``TP_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
 """
@@ -49,6 +53,7 @@ def main() -> None:
         max_model_len=128,
         tensor_parallel_size=2,
         engine_args={"distributed_executor_backend": "mp"},
+        format_version=2,
     )
     tokens, _, _ = generate_tokens(out, "tensorizer_manifest", **engine)
     ranks = []
@@ -78,7 +83,7 @@ def main() -> None:
         nudge = (1, "layers.0.post_attention_layernorm.weight", 0.5)  # rank 1 only
         result["nudged"] = llm.collective_rpc("tm_test_add_to_weight", args=nudge)
         try:
-            llm.collective_rpc("save_tensorizer_manifest", args=(out,))
+            llm.collective_rpc("save_tensorizer_manifest", args=(out,), kwargs={"format_version": 2})
             result["voted_down_save"] = None
         except Exception as exc:  # noqa: BLE001
             result["voted_down_save"] = error_chain(exc)
@@ -92,7 +97,7 @@ def main() -> None:
     os.mkdir(blocked)  # rank 1 cannot take its commit lock; rank 0 can
     try:
         save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, tensor_parallel_size=2,
-                        engine_args={"distributed_executor_backend": "mp"})  # fmt: skip
+                        engine_args={"distributed_executor_backend": "mp"}, format_version=2)  # fmt: skip
         result["failed_save"] = None
     except Exception as exc:  # noqa: BLE001
         result["failed_save"] = error_chain(exc)

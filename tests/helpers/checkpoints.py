@@ -1,0 +1,38 @@
+"""Where a checkpoint's files are, whatever its format version: tests read the manifest a load would read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def manifest_file(checkpoint: str | Path, stem: str | None = None) -> Path:
+    """The rank's manifest a load reads: at the top (format versions 1 and 2), or in the current generation's
+    folder, through the pointer (format version 3)."""
+    from tensorizer_manifest.storage.checkpoint import load_manifest
+
+    return Path(load_manifest(Path(checkpoint), stem)[1])
+
+
+def copy_as_version_2(checkpoint: str | Path, out: str | Path) -> Path:
+    """A copy of the checkpoint laid out as format version 2: rank manifests, tensor files and model files at the
+    top, plain copies (a version-3 rank manifest is a version-2 manifest). For the damage catalogues, which edit
+    one file in place and expect that file's own check to catch it: in a version-3 checkpoint the generation's
+    record of each file's hash catches every such edit first (``tests/checks/test_generation_files.py``)."""
+    import shutil
+
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    source, out = Path(checkpoint), Path(out)
+    generation = LocalCheckpoint(source).current()
+    if generation is None:
+        shutil.copytree(source, out, symlinks=True)
+        return out
+    out.mkdir(parents=True)
+    for model_file in generation.model_files:
+        shutil.copyfile(source / model_file.file.path, out / model_file.name)
+    for form_set in generation.form_sets:
+        for rank in form_set.ranks:
+            shutil.copyfile(source / rank.manifest.path, out / f"{rank.stem}.manifest.json")
+            for path in rank.tensor_files:
+                shutil.copyfile(source / path, out / Path(path).name)
+    return out
