@@ -10,8 +10,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def result(e2e_dir):
-    return run_script("scenarios/generations.py", str(e2e_dir), marker="GENERATIONS_RESULT", timeout=1500, output=True)
+def result(e2e_dir, moto_s3):
+    s3 = {"TM_TEST_S3_ENDPOINT": moto_s3.endpoint, "TM_TEST_S3_KEY_ID": moto_s3.key_id,
+          "TM_TEST_S3_SECRET": moto_s3.secret}  # fmt: skip
+    return run_script(
+        "scenarios/generations.py", str(e2e_dir), marker="GENERATIONS_RESULT", timeout=1500, output=True, env=s3
+    )
 
 
 def test_a_generation_loads_token_exact_against_the_engine_it_was_saved_from(result):
@@ -49,3 +53,18 @@ def test_a_tp2_load_reads_one_generation_while_a_re_save_commits(result):
     assert raced["tokens"] == race["tokens_a"]
     assert race["generation_after"] == race["generation_b"]
     assert race["tokens_after"] == race["tokens_b"]
+
+
+def test_on_s3_racing_uploads_and_a_failed_rank_upload_leave_one_save_that_loads_token_exact(result):
+    """A's upload paused before its pointer PUT while B's commits: A is refused; A again with rank 1's manifest
+    upload failing: refused, the pointer still B's. A TP=2 engine loads from the bucket as B, token-exact."""
+    race, s3 = result["race"], result["s3"]
+    assert s3["a_paused"], "A's writer never reached its commit"
+    assert len(s3["writer_a"]) == 1 and s3["writer_a"][0].startswith("UPLOAD refused ConcurrentWriteError"), s3
+    assert race["generation_b"] in s3["writer_a"][0]  # it names the generation that won
+    assert s3["current_after_race"] == race["generation_b"]
+    assert s3["failed_upload"] is not None and s3["failed_upload"][0].startswith("RemoteStorageError: "), s3
+    assert "model-tp1-of-2.manifest.json" in s3["failed_upload"][0]
+    assert s3["current_after_failed_upload"] == race["generation_b"]
+    assert s3["generation"] == race["generation_b"]
+    assert s3["tokens"] == race["tokens_b"] != race["tokens_a"]

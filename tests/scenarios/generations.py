@@ -8,6 +8,12 @@ agreed on a generation (``TENSORIZER_MANIFEST_PAUSE_AT=after-agreement``); a re-
 meanwhile; released, the loader must answer as A (both ranks report A's generation), and a fresh load then answers
 as B. Version 2 let such a load answer as neither.
 
+On S3 (moto, ``TM_TEST_S3_ENDPOINT``/``_KEY_ID``/``_SECRET``), the same two TP=2 saves as local checkpoints of
+one generation each, uploaded by racing writers: A's upload (a process of its own) paused with its files up, before
+its pointer PUT (``before-commit``), B's upload to completion, A released: A is refused (``ConcurrentWriteError``).
+Then A again over B with rank 1's manifest upload failing: refused, nothing committed. A TP=2 engine then loads
+from the bucket and answers as B, every rank on B's generation.
+
 Usage: python tests/scenarios/generations.py WORKDIR. Prints ``GENERATIONS_RESULT {json}``.
 """
 
@@ -39,6 +45,20 @@ try:
 finally:
     shutdown(llm)
 print("RACED " + json.dumps({"tokens": tokens, "generations": [r["generation"] for r in reports]}), flush=True)
+"""
+
+
+#: A writer of the S3 race, a process of its own (the pause is in its environment only).
+_RACING_UPLOAD = """
+import sys
+from tensorizer_manifest import upload_checkpoint
+from tensorizer_manifest.errors import ConcurrentWriteError
+from tensorizer_manifest.storage.remote import RemoteOptions
+try:
+    upload_checkpoint(sys.argv[1], sys.argv[2], RemoteOptions(*sys.argv[3].split(",")))
+    print("UPLOAD committed", flush=True)
+except ConcurrentWriteError as exc:
+    print("UPLOAD refused ConcurrentWriteError: " + str(exc), flush=True)
 """
 
 
@@ -145,9 +165,90 @@ def tensor_parallel_race(workdir: str) -> dict:
     return result
 
 
+def _checkpoint_at(out: str, generation_id: str, target: Path) -> Path:
+    """A copy of ``out`` (hard links) whose pointer names ``generation_id``: that save alone, a local checkpoint."""
+    import shutil
+
+    from tensorizer_manifest.format.generation import POINTER_NAME, encode_pointer, generation_document_path, pointer_to
+
+    shutil.copytree(out, target, copy_function=os.link)
+    document = (target / generation_document_path(generation_id)).read_bytes()
+    (target / POINTER_NAME).unlink()
+    (target / POINTER_NAME).write_bytes(encode_pointer(pointer_to(generation_id, document)))
+    return target
+
+
+def s3_races(workdir: str, out: str, race: dict) -> dict:
+    from helpers.errors import error_chain
+    from helpers.servers import BUCKET
+
+    from tensorizer_manifest import upload_checkpoint
+    from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.errors import RemoteStorageError
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions
+    from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files
+
+    endpoint, key_id, secret = (os.environ[f"TM_TEST_S3_{k}"] for k in ("ENDPOINT", "KEY_ID", "SECRET"))
+    options = RemoteOptions(key_id, secret, endpoint)
+    uri = f"s3://{BUCKET}/generations-race-{os.getpid()}"
+    store = S3Checkpoint(RemoteDir(uri, options))
+    at_a = _checkpoint_at(out, race["generation_a"], Path(workdir, "ckpt-qwen3-tp2-at-a"))
+    at_b = _checkpoint_at(out, race["generation_b"], Path(workdir, "ckpt-qwen3-tp2-at-b"))
+    gate = Path(workdir, "gate-before-commit")
+    gate.mkdir(exist_ok=True)
+    writer_a = subprocess.Popen(
+        [sys.executable, "-c", _RACING_UPLOAD, str(at_a), uri, f"{key_id},{secret},{endpoint}"],
+        env={**os.environ, "TENSORIZER_MANIFEST_PAUSE_AT": f"before-commit:{gate}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    result: dict = {"a_paused": _wait_for([gate / f"before-commit.{race['generation_a']}.reached"], writer_a)}
+    try:
+        if result["a_paused"]:  # A's files are up; B uploads and commits to completion
+            upload_checkpoint(at_b, uri, options)
+    finally:
+        (gate / "before-commit.release").touch()
+        output, _ = writer_a.communicate(timeout=300)
+    result["writer_a"] = [line for line in output.splitlines() if line.startswith("UPLOAD ")]
+    result["current_after_race"] = store.current_generation_id()
+
+    create = S3Checkpoint.create
+
+    def failing_create(self, relative, data):  # rank 1's manifest upload fails (the connection was reset)
+        if relative.endswith("model-tp1-of-2.manifest.json"):
+            raise RemoteStorageError(f"{relative}: uploading it failed (the connection was reset)")
+        return create(self, relative, data)
+
+    S3Checkpoint.create = failing_create
+    try:
+        upload_checkpoint(at_a, uri, options)
+        result["failed_upload"] = None
+    except Exception as exc:  # noqa: BLE001
+        result["failed_upload"] = error_chain(exc)
+    finally:
+        S3Checkpoint.create = create
+    result["current_after_failed_upload"] = store.current_generation_id()
+
+    cache = fetch_model_files(uri, Path(workdir, "generations-race-cache"), options)
+    loader = {
+        "checkpoint_dir": uri,
+        "s3_access_key_id": key_id,
+        "s3_secret_access_key": secret,
+        "s3_endpoint": endpoint,
+    }
+    report: dict = {}
+    result["tokens"], _, _ = generate_tokens(cache, "tensorizer_manifest", report=report, loader_config=loader, **TP2)
+    result["generation"] = report.get("generation")
+    return result
+
+
 def main() -> None:
     workdir = sys.argv[1]
     result = {"one_rank": one_rank(workdir), "race": tensor_parallel_race(workdir)}
+    if result["race"].get("generation_b") and os.environ.get("TM_TEST_S3_ENDPOINT"):
+        result["s3"] = s3_races(workdir, os.path.join(workdir, "ckpt-qwen3-tp2-v3"), result["race"])
     print("GENERATIONS_RESULT " + json.dumps(result), flush=True)
 
 
