@@ -17,6 +17,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..format.schema import KernelRecord, plain_value
 from ..storage.spill import SpillFile, StoredTensor, same_bytes
+from .tensors import hash_tensor
 
 # nn.Module bookkeeping that is not state of the layer.
 _MODULE_INTERNALS = frozenset(
@@ -180,6 +181,8 @@ class TensorSlot:
     identity: tuple[int, int, int]  # (id, data_ptr, _version) of the live tensor when snapshotted
     stored: StoredTensor | None = None
     """Where a pre-step copy's bytes are (``tensor`` is then their stand-in)."""
+    content_hash: str | None = None
+    """The live tensor's bytes' hash when snapshotted (``snapshot_module(..., content_hashes=True)``)."""
 
     def data(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor with its bytes: the live one, or the pre-step copy read back (contiguous; into ``buffer``)."""
@@ -222,13 +225,19 @@ class PreStepCopies:
         self._memo.clear()
 
 
-def snapshot_module(module: torch.nn.Module, copies: PreStepCopies | None) -> ModuleSnapshot:
-    """Snapshot a module. With ``copies``, tensors are copied to disk (shared through its memo, so ties survive)."""
+def snapshot_module(
+    module: torch.nn.Module, copies: PreStepCopies | None, content_hashes: bool = False
+) -> ModuleSnapshot:
+    """Snapshot a module. With ``copies``, tensors are copied to disk (shared through its memo, so ties survive).
+    Without, ``content_hashes`` records each tensor's hash: a write through ``.data`` (vLLM 0.33's
+    ``replace_parameter`` copies a same-shaped result into the parameter so) bumps no version counter, and the
+    reference kept would show the new bytes."""
     tensors: dict[str, TensorSlot] = {}
     for name, (tensor, kind, persistent) in module_tensors(module).items():
         identity = _identity(tensor)
         if copies is None:
-            tensors[name] = TensorSlot(tensor, kind, persistent, identity)
+            digest = hash_tensor(tensor) if content_hashes else None
+            tensors[name] = TensorSlot(tensor, kind, persistent, identity, content_hash=digest)
         else:
             stand_in, stored = copies.keep(tensor)
             tensors[name] = TensorSlot(stand_in, kind, persistent, identity, stored)
@@ -291,7 +300,8 @@ def diff_snapshots(before: ModuleSnapshot, after: ModuleSnapshot) -> LayerDiff:
 
     A tensor changed when it is another object, moved, or was written in place
     (torch's version counter). Writes through ``.data`` bump no counter, so
-    where ``before`` holds a copy the bytes are compared as well.
+    where ``before`` holds a copy the bytes are compared as well, and where it
+    holds a content hash, the hash.
     """
     diff = LayerDiff()
     diff.added_tensors = set(after.tensors) - set(before.tensors)
@@ -299,6 +309,8 @@ def diff_snapshots(before: ModuleSnapshot, after: ModuleSnapshot) -> LayerDiff:
     for name in set(before.tensors) & set(after.tensors):
         was, now = before.tensors[name], after.tensors[name]
         if was.identity != now.identity or (was.tensor is not now.tensor and not _same_bytes(was, now.tensor)):
+            diff.changed_tensors.add(name)
+        elif was.content_hash is not None and hash_tensor(now.tensor) != was.content_hash:
             diff.changed_tensors.add(name)
     for owner in set(before.attrs) | set(after.attrs):
         b = before.attrs.get(owner, {})

@@ -229,7 +229,9 @@ class FallbackRecorder:
     """For ``add-form``: the layers a load takes through their raw fallback, observed around vLLM's step.
 
     ``layer_ready`` snapshots such a layer once its fallback tensors are in, before vLLM's step runs on it
-    (references only: its pre-step bytes are the fallback, already in the checkpoint); ``finish`` classifies
+    (references and content hashes, no copy: its pre-step bytes are the fallback, already in the checkpoint; the
+    hashes see a step that writes a same-shaped result through ``.data``, as vLLM 0.33's ``replace_parameter``
+    does); ``finish`` classifies
     each as a save does, so that the processed form this engine made is kept where a verified restorer
     covers it, ready to be added to the checkpoint (``write.write_added_form``).
     """
@@ -242,7 +244,7 @@ class FallbackRecorder:
 
     def layer_ready(self, path: str, module: torch.nn.Module) -> None:
         if path in self.paths:
-            self.before[path] = snapshot_module(module, None)
+            self.before[path] = snapshot_module(module, None, content_hashes=True)  # no copy: its hashes
 
     def finish(self, fingerprint: Fingerprint, stem: str) -> tuple[Capture, dict[str, str]]:
         """The processed layers to add, and why each other fallback layer cannot be (no restorer covers it)."""

@@ -71,6 +71,30 @@ def test_diff_sees_writes_through_data_that_bump_no_version(copies):
     assert diff_snapshots(before, snapshot_module(layer, None)).changed_tensors == {"weight"}
 
 
+def test_without_a_copy_content_hashes_see_writes_through_data():
+    """vLLM 0.33's ``replace_parameter`` copies a same-shaped result into the parameter through ``.data``: no
+    version counter moves, and a snapshot of references alone sees the new bytes on both sides. Hashes see it."""
+    layer = _Layer()
+    by_reference = snapshot_module(layer, None)
+    hashed = snapshot_module(layer, None, content_hashes=True)
+    assert diff_snapshots(hashed, snapshot_module(layer, None)).empty  # nothing written: nothing changed
+    layer.weight.data.copy_(torch.full((2, 2), 5.0))
+    assert diff_snapshots(by_reference, snapshot_module(layer, None)).empty  # the blind spot hashes close
+    assert diff_snapshots(hashed, snapshot_module(layer, None)).changed_tensors == {"weight"}
+
+
+def test_add_form_s_recorder_hashes_what_it_does_not_copy():
+    from tensorizer_manifest.save.capture import FallbackRecorder
+
+    layer = _Layer()
+    recorder = FallbackRecorder(torch.nn.Sequential(layer), {"0"}, "cpu")
+    recorder.layer_ready("0", layer)
+    assert {name: slot.content_hash is not None for name, slot in recorder.before["0"].tensors.items()} == {
+        "weight": True,
+        "scale": True,
+    }
+
+
 def test_diff_is_empty_when_nothing_changed(copies):
     layer = _Layer()
     before = snapshot_module(layer, copies)
