@@ -40,9 +40,10 @@ def test_another_save_s_tokenizer_beside_the_weights_is_refused_by_name(result):
                for line in refusals), refusals  # fmt: skip
 
 
-def test_a_tp2_load_reads_one_generation_while_a_re_save_commits(result):
-    """Both ranks paused after agreeing on A; B's save committed to completion; released, the engine answers as A,
-    every rank reporting A's generation. A fresh load then answers as B. No mix, no error."""
+def test_a_tp2_load_reads_one_generation_while_two_re_saves_commit_and_a_gc_runs(result):
+    """Both ranks paused after agreeing on A; B's save committed to completion, then C's, then a gc; released, the
+    engine answers as A, every rank reporting A's generation (gc kept it: retired within its grace period). A fresh
+    load then answers as B's weights, from C. No mix, no error."""
     race = result["race"]
     assert race["paused_both_ranks"], race.get("raced_output")
     assert race["generation_b"] != race["generation_a"]
@@ -51,7 +52,10 @@ def test_a_tp2_load_reads_one_generation_while_a_re_save_commits(result):
     assert raced is not None, race.get("raced_output")
     assert raced["generations"] == [race["generation_a"], race["generation_a"]]
     assert raced["tokens"] == race["tokens_a"]
-    assert race["generation_after"] == race["generation_b"]
+    assert race["gc"].get("current") == race["generation_c"], race["gc"]
+    assert {race["generation_a"], race["generation_b"]} <= set(race["gc"]["kept_generations"])
+    assert not [path for path in race["gc"]["removed"] if race["generation_a"] in path]
+    assert race["generation_after"] == race["generation_c"]
     assert race["tokens_after"] == race["tokens_b"]
 
 

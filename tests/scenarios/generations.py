@@ -5,8 +5,9 @@ default loader, observed), and a tokenizer of another save at the top is refused
 
 Two ranks (Qwen3, TP=2), the race of #33: a loader's engine starts on save A and both its ranks pause once they
 agreed on a generation (``TENSORIZER_MANIFEST_PAUSE_AT=after-agreement``); a re-save of another model B commits
-meanwhile; released, the loader must answer as A (both ranks report A's generation), and a fresh load then answers
-as B. Version 2 let such a load answer as neither.
+meanwhile, then a second re-save (C, B's weights committed again through the writers' API) and a ``gc`` run;
+released, the loader must answer as A (both ranks report A's generation), and a fresh load then answers as B's
+weights, from C. Version 2 let such a load answer as neither.
 
 On S3 (moto, ``TM_TEST_S3_ENDPOINT``/``_KEY_ID``/``_SECRET``), the same two TP=2 saves as local checkpoints of
 one generation each, uploaded by racing writers: A's upload (a process of its own) paused with its files up, before
@@ -129,6 +130,28 @@ def _wait_for(paths: list[Path], process: subprocess.Popen, limit_s: float = 600
     return True
 
 
+def _commit_again(out: str) -> str:
+    """A second re-save's commit without an engine: the current generation's manifests written anew into a new
+    generation over it (their tensor files kept where they are), committed as every writer commits."""
+    from tensorizer_manifest.format.generation import new_generation_id
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    root = Path(out)
+    current = LocalCheckpoint(root).current()
+    publication = publish.begin(root, new_generation_id(), parent=current.id, read_parent=False)
+    for form_set in current.form_sets:
+        for rank in form_set.ranks:
+            (publication.folder / f"{rank.stem}.manifest.json").write_bytes((root / rank.manifest.path).read_bytes())
+    generation = publish.commit(
+        publication,
+        made_by="save",
+        form_sets=publish.with_new_manifests(publication, current),
+        model_files=publish.carry_model_files(publication, current),
+    )
+    return generation.id
+
+
 def tensor_parallel_race(workdir: str) -> dict:
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.testing.tiny import build_tiny_model
@@ -152,6 +175,11 @@ def tensor_parallel_race(workdir: str) -> dict:
         if paused:  # both ranks hold generation A; a re-save of another model commits now, to completion
             result["tokens_b"], saved_b = _capture_save(model_b, out, **TP2)
             result["generation_b"] = saved_b["generation"]
+            result["generation_c"] = _commit_again(out)
+            gc = subprocess.run(
+                [sys.executable, "-m", "tensorizer_manifest.cli", "gc", out, "--json"], capture_output=True, text=True
+            )
+            result["gc"] = json.loads(gc.stdout) if gc.returncode == 0 else {"error": gc.stderr[-2000:]}
     finally:
         (gate / "after-agreement.release").touch()
         output, _ = raced.communicate(timeout=600)
