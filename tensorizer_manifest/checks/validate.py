@@ -69,6 +69,7 @@ from .tensor_files import check_before_parsing, check_hashes, check_index, check
 def check_files(
     manifest: Manifest,
     manifest_path: FileLocation,
+    *,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> FileLocation:
@@ -96,9 +97,9 @@ def check_files(
 def open_checked(
     manifest: Manifest,
     manifest_path: FileLocation,
+    *,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
-    *,
     device: str = "cpu",
     num_readers: int | None = None,
 ) -> Iterator[TensorFileReader]:
@@ -110,7 +111,12 @@ def open_checked(
     ``open_checked_forms`` gives the added forms' files too.
     """
     with open_checked_forms(
-        manifest, manifest_path, signing_key, encryption_key, device=device, num_readers=num_readers
+        manifest,
+        manifest_path,
+        signing_key=signing_key,
+        encryption_key=encryption_key,
+        device=device,
+        num_readers=num_readers,
     ) as files:
         yield files.main
 
@@ -162,9 +168,9 @@ class CheckedFiles:
 def open_checked_forms(
     manifest: Manifest,
     manifest_path: FileLocation,
+    *,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
-    *,
     device: str = "cpu",
     num_readers: int | None = None,
 ) -> Iterator[CheckedFiles]:
@@ -176,7 +182,15 @@ def open_checked_forms(
     def open_one(ref: TensorFileRef, records: dict[str, TensorRecord]) -> TensorFileReader:
         location = resolve_tensor_file(manifest, manifest_path, ref)
         return stack.enter_context(
-            _open_one(manifest_path, ref, location, records, encryption_key, device, num_readers)
+            _open_one(
+                manifest_path,
+                ref,
+                location,
+                records,
+                encryption_key=encryption_key,
+                device=device,
+                num_readers=num_readers,
+            )
         )
 
     with ExitStack() as stack:
@@ -189,7 +203,7 @@ def open_checked_forms(
 
 
 @contextmanager
-def _open_one(manifest_path, ref, tensor_path, by_key, encryption_key, device, num_readers):
+def _open_one(manifest_path, ref, tensor_path, by_key, *, encryption_key, device, num_readers):
     try:
         problems, scan = check_before_parsing(ref, tensor_path, by_key)
     except RemoteStorageError as exc:

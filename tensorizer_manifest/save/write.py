@@ -142,6 +142,7 @@ def write_checkpoint(
     capture: Capture,
     out_dir: Path,
     stem: str,
+    *,
     signing_key: SigningKey | None = None,
     release: bool = False,
     encryption_key: EncryptionKey | None = None,
@@ -174,7 +175,16 @@ def write_checkpoint(
     It is ``prepare_checkpoint`` then ``PreparedCheckpoint.commit``: the ranks of a sharded save vote between
     the two (``vllm_integration``), so that none commits unless all have written their part.
     """
-    return prepare_checkpoint(capture, out_dir, stem, signing_key, release, encryption_key, progress, save_id).commit()
+    return prepare_checkpoint(
+        capture,
+        out_dir,
+        stem,
+        signing_key=signing_key,
+        release=release,
+        encryption_key=encryption_key,
+        progress=progress,
+        save_id=save_id,
+    ).commit()
 
 
 class PreparedCheckpoint:
@@ -211,6 +221,7 @@ def prepare_checkpoint(
     capture: Capture,
     out_dir: Path,
     stem: str,
+    *,
     signing_key: SigningKey | None = None,
     release: bool = False,
     encryption_key: EncryptionKey | None = None,
@@ -247,6 +258,7 @@ def write_added_form(
     checkpoint_dir: Path,
     stem: str,
     base: Manifest,
+    *,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
     into: Path | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -570,20 +571,20 @@ def _read_key(key_class: type[_Key], what: str, path: str | os.PathLike, source:
 def signing_key_from(path: str | os.PathLike | None) -> SigningKey | None:
     """The signing key of an entry point: the file its option names, else the file ``$TENSORIZER_MANIFEST_SIGNING_KEY``
     names, else None (manifests are then sealed, and checked, with a plain digest)."""
-    if path is not None:
-        return read_signing_key(path)
-    from_env = os.environ.get(SIGNING_KEY_ENV)
-    if from_env:
-        return read_signing_key(from_env, source=f"${SIGNING_KEY_ENV}")
-    return None
+    return _key_from(path, SIGNING_KEY_ENV, read_signing_key)
 
 
 def encryption_key_from(path: str | os.PathLike | None) -> EncryptionKey | None:
     """The encryption key of an entry point: the file its option names, else the file
     ``$TENSORIZER_MANIFEST_ENCRYPTION_KEY`` names, else None (tensor files are then written, and read, in plain)."""
+    return _key_from(path, ENCRYPTION_KEY_ENV, read_encryption_key)
+
+
+def _key_from(path: str | os.PathLike | None, env: str, read: Callable[..., _Key]) -> _Key | None:
+    """The key in the file ``path`` names, else in the file the variable ``env`` names, else None."""
     if path is not None:
-        return read_encryption_key(path)
-    from_env = os.environ.get(ENCRYPTION_KEY_ENV)
+        return read(path)
+    from_env = os.environ.get(env)
     if from_env:
-        return read_encryption_key(from_env, source=f"${ENCRYPTION_KEY_ENV}")
+        return read(from_env, f"${env}")
     return None

@@ -317,8 +317,8 @@ class ManifestModelLoader(BaseModelLoader):
         with open_checked_forms(
             manifest,
             manifest_path,
-            signing_key,
-            encryption_key,
+            signing_key=signing_key,
+            encryption_key=encryption_key,
             device=str(target_device),
             num_readers=options.num_readers,
         ) as readers:

@@ -123,7 +123,7 @@ class ManifestWorkerExtension:
                         capture,
                         Path(output_dir),
                         capture.stem,
-                        signing_key,
+                        signing_key=signing_key,
                         release=not keep_capture,
                         encryption_key=encryption_key,
                         progress=on_progress,
@@ -174,7 +174,7 @@ class ManifestWorkerExtension:
                         capture,
                         publication.folder,
                         capture.stem,
-                        signing_key,
+                        signing_key=signing_key,
                         release=not keep_capture,
                         encryption_key=encryption_key,
                         progress=on_progress,
@@ -259,7 +259,12 @@ class ManifestWorkerExtension:
             result.update(published)
         elif capture.layers:
             manifest = write_added_form(
-                capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key
+                capture,
+                Path(checkpoint_dir),
+                capture.stem,
+                loaded,
+                signing_key=signing_key,
+                encryption_key=encryption_key,
             )
             result["tensor_file"] = manifest.added_forms[-1].tensor_file.path
             result["bytes"] = manifest.added_forms[-1].tensor_file.size
@@ -277,8 +282,8 @@ class ManifestWorkerExtension:
         try:
             if capture.layers:
                 written = write_added_form(
-                    capture, Path(checkpoint_dir), capture.stem, loaded, signing_key, encryption_key,
-                    into=publication.folder,
+                    capture, Path(checkpoint_dir), capture.stem, loaded,
+                    signing_key=signing_key, encryption_key=encryption_key, into=publication.folder,
                 )  # fmt: skip
         finally:
             all_written = _vllm_compat.every_rank_succeeded(written is not None or not capture.layers)

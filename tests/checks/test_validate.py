@@ -283,7 +283,7 @@ def mac_checkpoint(tmp_path, key_files):
     from tensorizer_manifest.storage.checkpoint import read_signing_key
 
     directory = tmp_path / "mac"
-    write_checkpoint(make_capture(), directory, "model", read_signing_key(key_files[0]))
+    write_checkpoint(make_capture(), directory, "model", signing_key=read_signing_key(key_files[0]))
     return directory
 
 
@@ -304,7 +304,7 @@ def test_a_mac_manifest_passes_with_its_key_only(mac_checkpoint, key_files, monk
     manifest, manifest_path = load_manifest(mac_checkpoint)
     from tensorizer_manifest.storage.checkpoint import read_signing_key
 
-    check_files(manifest, manifest_path, read_signing_key(good))
+    check_files(manifest, manifest_path, signing_key=read_signing_key(good))
     with pytest.raises(errors.ConfigurationError, match="sealed with a signing key"):
         check_files(manifest, manifest_path)
 
@@ -487,7 +487,9 @@ def encrypted(tmp_path, key_files):
 
     key = read_encryption_key(key_files[0])
     write_checkpoint(make_capture(), tmp_path / "enc", "model", encryption_key=key)
-    write_checkpoint(make_capture(), tmp_path / "both", "model", read_signing_key(key_files[0]), encryption_key=key)
+    write_checkpoint(
+        make_capture(), tmp_path / "both", "model", signing_key=read_signing_key(key_files[0]), encryption_key=key
+    )
     return tmp_path / "enc", tmp_path / "both"
 
 
@@ -526,7 +528,7 @@ def test_with_a_signing_key_too_a_wrong_encryption_key_is_a_decryption_failure(e
     from tensorizer_manifest.storage.checkpoint import read_signing_key
 
     with pytest.raises(errors.ConfigurationError, match="tensor file is encrypted; pass its key file"):
-        check_files(manifest, path, read_signing_key(good))
+        check_files(manifest, path, signing_key=read_signing_key(good))
 
 
 def test_a_forged_plain_checkpoint_is_refused_given_the_key_and_a_forged_seal_always(

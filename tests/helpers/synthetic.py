@@ -118,7 +118,7 @@ def write_synthetic_checkpoint(
 ) -> Path:
     """Write the synthetic checkpoint into ``out_dir`` (a config.json too) and return it."""
     out_dir = Path(out_dir)
-    write_checkpoint(make_capture(seed, scale, fallbacks), out_dir, "model", signing_key)
+    write_checkpoint(make_capture(seed, scale, fallbacks), out_dir, "model", signing_key=signing_key)
     (out_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
     return out_dir
 

@@ -477,7 +477,7 @@ def test_the_manifest_records_the_prefix_and_is_sealed_last(tmp_path):
     assert ref.prefix_hash == prefix_hash(tensor_path, ref.prefix_size)
     assert manifest.seal.mode == "digest" and manifest.seal.hash == seal_hash(manifest, "digest")
     key = SigningKey(b"k" * 32)
-    signed = write_checkpoint(make_capture(), tmp_path / "b", "model", key)
+    signed = write_checkpoint(make_capture(), tmp_path / "b", "model", signing_key=key)
     assert signed.seal.mode == "mac" and signed.seal.hash == seal_hash(signed, "mac", key)
 
 
@@ -526,7 +526,9 @@ def test_an_encrypted_save_records_it_seals_with_the_key_and_names_each_write_ap
     second = write_checkpoint(make_capture(), tmp_path / "a", "model", encryption_key=key)
     assert second.tensor_file.path != first.tensor_file.path
     assert [p.name for p in (tmp_path / "a").glob("*.tensors")] == [second.tensor_file.path]
-    signed = write_checkpoint(make_capture(), tmp_path / "b", "model", SigningKey(b"s" * 32), encryption_key=key)
+    signed = write_checkpoint(
+        make_capture(), tmp_path / "b", "model", signing_key=SigningKey(b"s" * 32), encryption_key=key
+    )
     assert signed.seal.mode == "mac" and signed.tensor_file.encryption == ENCRYPTION_TENSORIZER
     plain = write_checkpoint(make_capture(), tmp_path / "c", "model")
     assert plain.tensor_file.encryption == "none" and "-" not in plain.tensor_file.path

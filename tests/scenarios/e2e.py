@@ -67,7 +67,7 @@ def read_reference(stem: str, result: dict) -> dict:
     return {"ref": tensors, "ref_kv_scales": reference["ref_kv_scales"]}
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind")
     parser.add_argument("workdir")
@@ -250,10 +250,11 @@ def main() -> None:
         result["processed_tensors_compared"] = compared
         result["processed_tensor_mismatches"] = mismatches
         result["recomputed_buffers_within_rounding"] = recomputed
-    print("E2E_RESULT " + json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
+    from helpers.scenario import run_scenario
+
+    run_scenario("E2E_RESULT", main)

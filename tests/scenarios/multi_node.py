@@ -124,7 +124,7 @@ def _left_running(group_ids: list[int]) -> list[int]:
     return alive
 
 
-def main() -> None:
+def main() -> dict:
     workdir = Path(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # the TP=2 save: one core per rank (one NUMA node here)
@@ -156,10 +156,10 @@ def main() -> None:
         )
         result["secret_in_command"] = any(s3.secret in part for part in result["manifest"]["command"])
         result["uri"] = uri
-    print("MULTINODE_RESULT " + json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)
+    from helpers.scenario import run_scenario
+
+    run_scenario("MULTINODE_RESULT", main)

@@ -56,24 +56,41 @@ def test_tensor_file_must_be_a_plain_name_inside_the_directory(tmp_path, name):
         checkpoint.resolve_tensor_file(manifest, path)
 
 
-def test_the_signing_key_comes_from_the_option_else_the_environment(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("key_from", "env", "letter", "bad_file", "bad_message"),
+    [
+        (
+            "signing_key_from",
+            "TENSORIZER_MANIFEST_SIGNING_KEY",
+            b"a",
+            b"x" * (checkpoint.MAX_SIGNING_KEY_BYTES + 1),
+            "not a key file",
+        ),
+        ("encryption_key_from", "TENSORIZER_MANIFEST_ENCRYPTION_KEY", b"e", b"e" * 15, "encryption key has 15 bytes"),
+    ],
+)
+def test_a_key_comes_from_the_option_else_the_environment(
+    tmp_path, monkeypatch, key_from, env, letter, bad_file, bad_message
+):
     from tensorizer_manifest.errors import ConfigurationError
 
+    key_from = getattr(checkpoint, key_from)
     key = tmp_path / "key"
-    key.write_bytes(b"a" * 32)
-    monkeypatch.delenv("TENSORIZER_MANIFEST_SIGNING_KEY", raising=False)
-    assert checkpoint.signing_key_from(None) is None
-    assert checkpoint.signing_key_from(key) is not None
-    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", str(key))
-    assert checkpoint.signing_key_from(None) is not None
-    monkeypatch.setenv("TENSORIZER_MANIFEST_SIGNING_KEY", "a" * 64)  # the key itself, not its path
-    with pytest.raises(ConfigurationError, match=r"\$TENSORIZER_MANIFEST_SIGNING_KEY.*not the key itself") as info:
-        checkpoint.signing_key_from(None)
-    assert "a" * 64 not in str(info.value)
-    big = tmp_path / "big"
-    big.write_bytes(b"x" * (checkpoint.MAX_SIGNING_KEY_BYTES + 1))
-    with pytest.raises(ConfigurationError, match="not a key file"):
-        checkpoint.signing_key_from(big)
+    key.write_bytes(letter * 32)
+    monkeypatch.delenv(env, raising=False)
+    assert key_from(None) is None
+    assert key_from(key) is not None
+    monkeypatch.setenv(env, str(key))
+    assert key_from(None) is not None
+    itself = letter.decode() * 64
+    monkeypatch.setenv(env, itself)  # the key itself, not its path
+    with pytest.raises(ConfigurationError, match=rf"\${env}.*not the key itself") as info:
+        key_from(None)
+    assert itself not in str(info.value)
+    bad = tmp_path / "bad"
+    bad.write_bytes(bad_file)
+    with pytest.raises(ConfigurationError, match=bad_message):
+        key_from(bad)
 
 
 def test_a_remote_manifest_is_found_and_read(moto_s3, tmp_path):
@@ -117,26 +134,6 @@ def test_a_rank_layout_other_than_the_saved_one_is_named_before_anything_is_read
     assert "saved with tensor_parallel_size=1, pipeline_parallel_size=2" in message
     assert "this engine runs tensor_parallel_size=2, pipeline_parallel_size=1" in message
     assert info.value.differences == [("parallel_layout", (1, 2), (2, 1))]
-
-
-def test_the_encryption_key_comes_from_the_option_else_the_environment(tmp_path, monkeypatch):
-    from tensorizer_manifest.errors import ConfigurationError
-
-    key = tmp_path / "key"
-    key.write_bytes(b"e" * 32)
-    monkeypatch.delenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", raising=False)
-    assert checkpoint.encryption_key_from(None) is None
-    assert checkpoint.encryption_key_from(key) is not None
-    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", str(key))
-    assert checkpoint.encryption_key_from(None) is not None
-    monkeypatch.setenv("TENSORIZER_MANIFEST_ENCRYPTION_KEY", "e" * 64)  # the key itself, not its path
-    with pytest.raises(ConfigurationError, match=r"\$TENSORIZER_MANIFEST_ENCRYPTION_KEY.*not the key itself") as info:
-        checkpoint.encryption_key_from(None)
-    assert "e" * 64 not in str(info.value)
-    short = tmp_path / "short"
-    short.write_bytes(b"e" * 15)
-    with pytest.raises(ConfigurationError, match="encryption key has 15 bytes"):
-        checkpoint.encryption_key_from(short)
 
 
 def write_stock_tensor_file(path):
