@@ -11,7 +11,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -88,17 +92,127 @@ def remote_options(fn):
     return fn
 
 
-def encryption_key_option(help_text: str, *extra_names: str):
+#: The encryption key file's spellings: ours and vLLM's (``--encryption-keyfile``, as ``encryption_keyfile`` in
+#: ``model_loader_extra_config``). ``save`` also takes ``--encrypt-key-file``, which it always has.
+ENCRYPTION_KEY_NAMES = ("--encryption-key-file", "--encryption-keyfile")
+
+
+def encryption_key_option(help_text: str):
     """``--encryption-key-file`` (vLLM's ``--encryption-keyfile`` too) as a command reads or writes it."""
-    return click.option(
-        "--encryption-key-file",
-        "--encryption-keyfile",
-        *extra_names,
-        "encryption_key_file",
-        type=_PATH,
-        default=None,
-        help=help_text,
-    )
+    return click.option(*ENCRYPTION_KEY_NAMES, "encryption_key_file", type=_PATH, default=None, help=help_text)
+
+
+def _options_of(decorator: Callable[[Callable], Callable]) -> list[click.Parameter]:
+    """The click parameters an option decorator adds, in the order ``--help`` shows them."""
+
+    def nothing() -> None:
+        pass
+
+    decorator(nothing)
+    return list(reversed(nothing.__click_params__))  # type: ignore[attr-defined]
+
+
+# ---- Options declared by a pydantic model -----------------------------------------------------------------------
+# ``save`` and ``add-form`` take the options ``SaveOptions`` and ``AddFormOptions`` declare: each field's name,
+# type, default and description make its click option (``--kebab-name``; a bool is a flag, ``--x/--no-x`` when on
+# by default; a Literal is a choice; the description is the help). ``Spelled`` says only where the command line
+# spells one otherwise. The options are made when the command is first parsed or shown: the models' modules
+# import pydantic and torch, which ``inspect`` and ``schema`` never pay for.
+
+
+@dataclass(frozen=True)
+class Spelled:
+    """A model field's option where its declaration alone would not give today's command line."""
+
+    field: str
+    names: tuple[str, ...] = ()
+    """The option's names (with short ones), instead of ``--kebab-name``."""
+    type: Any = None
+    """The click type, instead of the one the field's annotation gives."""
+
+
+def _choice_of(annotation: Any) -> tuple[Any, ...] | None:
+    """A ``Literal``'s values (``X | None`` looked through), else None."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    if len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+        return typing.get_args(args[0])
+    return None
+
+
+def _click_type(annotation: Any) -> Any:
+    """click's type for a field's annotation: int, else text (str, SecretStr)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return click.INT if args == [int] else click.STRING
+
+
+def field_option(model: type, spelled: Spelled) -> click.Option:
+    """The click option of one field of ``model`` (a pydantic model): its value is what the model takes."""
+    info = model.model_fields[spelled.field]
+    names = list(spelled.names) or [f"--{spelled.field.replace('_', '-')}"]
+    default = info.get_default(call_default_factory=True)
+    kwargs: dict[str, Any] = dict(help=info.description, show_default=default not in (None, False))
+    choices = _choice_of(info.annotation)
+    if info.annotation is bool and default is True:
+        names = [f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:]]
+        kwargs.update(default=True)
+    elif info.annotation is bool:
+        kwargs.update(is_flag=True, default=False, show_default=False)
+    elif choices is not None:
+        by_text = {str(choice): choice for choice in choices}
+        kwargs.update(
+            type=click.Choice(list(by_text)),
+            default=None if default is None else str(default),
+            callback=lambda ctx, param, value: by_text.get(value, value),
+        )
+    else:
+        kwargs.update(type=spelled.type or _click_type(info.annotation), default=default)
+    if isinstance(spelled.type, click.Path):  # a path option's value, as the model takes it: text
+        kwargs["callback"] = lambda ctx, param, value: None if value is None else str(value)
+    return click.Option([*names, spelled.field], **kwargs)
+
+
+class ModelOptionsCommand(click.Command):
+    """A command whose options include a pydantic model's fields, made on first use.
+
+    ``options`` lists them in ``--help``'s order: a field's name or its ``Spelled``, or a click parameter of
+    the command's own (they follow the parameters its decorators add). ``api_only``: the model's fields that
+    are not options of the command; every other field must be one (a field added to the model shows up here or
+    is named there).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        model: Callable[[], type],
+        options: Sequence[str | Spelled | click.Parameter],
+        api_only: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> None:
+        self._model, self._options, self._api_only = model, options, tuple(api_only)
+        self._made: list[click.Parameter] | None = None
+        super().__init__(*args, **kwargs)
+
+    @property
+    def params(self) -> list[click.Parameter]:  # type: ignore[override]
+        if self._made is None:
+            model = self._model()
+            made = [
+                o
+                if isinstance(o, click.Parameter)
+                else field_option(model, o if isinstance(o, Spelled) else Spelled(o))
+                for o in self._options
+            ]
+            missing = set(model.model_fields) - {p.name for p in made} - set(self._api_only)
+            if missing:
+                raise RuntimeError(f"{self.name}: {model.__name__} fields with no option: {sorted(missing)}")
+            self._made = [*self._declared, *made]
+        return self._made
+
+    @params.setter
+    def params(self, value: list[click.Parameter]) -> None:
+        self._declared, self._made = list(value), None
 
 
 def _remote(s3_access_key_id, s3_secret_access_key, s3_endpoint):
@@ -416,105 +530,55 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
     return args
 
 
-@app.command()
+def _save_options() -> type:
+    from ..save.from_source import SaveOptions
+
+    return SaveOptions
+
+
+@app.command(
+    cls=ModelOptionsCommand,
+    model=_save_options,
+    options=[
+        "dtype",
+        "quantization",
+        Spelled("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
+        Spelled("pipeline_parallel_size", ("--pipeline-parallel-size", "-pp")),
+        "max_model_len",
+        "revision",
+        "trust_remote_code",
+        click.Option(
+            ["--kv-cache-dtype"], help="As vLLM's --kv-cache-dtype (e.g. fp8); the loading engine must match."
+        ),
+        click.Option(["--enable-expert-parallel"], is_flag=True, help="As vLLM's --enable-expert-parallel."),
+        click.Option(
+            ["--engine-arg", "engine_arg"],
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Any other vllm.LLM option, repeatable; VALUE is read as JSON when it parses (4, true, {...}), "
+            "else as a string. KEY may be spelled as the vllm serve flag (max-num-seqs).",
+        ),
+        "cpu_gemm",
+        "portable",
+        "allow_unverified",
+        "fallbacks",
+        Spelled("signing_key_file", type=_PATH),
+        "allow_unconditional_writes",
+        "format_version",
+        *_options_of(remote_options),
+        Spelled("encryption_key_file", (*ENCRYPTION_KEY_NAMES, "--encrypt-key-file"), type=_PATH),
+    ],
+    api_only=["kv_cache_memory_bytes", "engine_args", "progress"],
+)
 @click.argument("src")
 @click.argument("out")
-@click.option("--dtype", default="auto", show_default=True, help="Model dtype, as vLLM's --dtype.")
-@click.option("--quantization", default=None, help="As vLLM's --quantization.")
-@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
-@click.option("--pipeline-parallel-size", "-pp", type=int, default=1, show_default=True)
-@click.option("--max-model-len", type=int, default=None)
-@click.option("--revision", default=None)
-@click.option("--trust-remote-code", is_flag=True)
-@click.option(
-    "--kv-cache-dtype", default=None, help="As vLLM's --kv-cache-dtype (e.g. fp8); the loading engine must match."
-)
-@click.option("--enable-expert-parallel", is_flag=True, help="As vLLM's --enable-expert-parallel.")
-@click.option(
-    "--engine-arg",
-    "engine_arg",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Any other vllm.LLM option, repeatable; VALUE is read as JSON when it parses (4, true, {...}), "
-    "else as a string. KEY may be spelled as the vllm serve flag (max-num-seqs).",
-)
-@click.option(
-    "--cpu-gemm",
-    type=click.Choice(["auto", "fallback"]),
-    default="auto",
-    show_default=True,
-    help="CPU only: 'fallback' keeps linear weights so those layers save processed.",
-)
-@click.option(
-    "--portable",
-    is_flag=True,
-    help="Save every layer raw: loads on any machine whose engine settings match (vLLM's step runs at load).",
-)
-@click.option(
-    "--allow-unverified",
-    is_flag=True,
-    help="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
-)
-@click.option(
-    "--fallbacks/--no-fallbacks",
-    default=True,
-    show_default=True,
-    help="Keep raw tensors beside layers saved in a form one machine kind or one kernel produces (4-bit "
-    "repacks, prepacked experts): other machines and vLLM versions load those layers through vLLM's step. "
-    "--no-fallbacks saves only the processed form (smaller; refused where it does not fit).",
-)
-@click.option(
-    "--signing-key-file",
-    type=_PATH,
-    default=None,
-    help="Seal the manifest with a MAC under this key file (else $TENSORIZER_MANIFEST_SIGNING_KEY; "
-    "without a key, a plain digest). Loading and validating then need the same key.",
-)
-@click.option(
-    "--allow-unconditional-writes",
-    is_flag=True,
-    help="Write to an S3 server that ignores conditional writes (If-Match): of two writers of one checkpoint the "
-    "last wins, silently. Refused by default.",
-)
-@click.option(
-    "--format-version",
-    type=click.Choice(["2", "3"]),
-    default="3",
-    show_default=True,
-    help="3: immutable generations behind one pointer, committed once for every rank, the model files inside. "
-    "2: one manifest per rank (read by older versions too).",
-)
-@remote_options
-@encryption_key_option(
-    "Encrypt the tensor data with tensorizer's encryption under this key file (else "
-    "$TENSORIZER_MANIFEST_ENCRYPTION_KEY); without --signing-key-file the manifest is sealed with it too. "
-    "Loading needs the same key (encryption_key_file in model_loader_extra_config).",
-    "--encrypt-key-file",
-)
 def save(
     src: str,
     out: str,
-    dtype,
-    quantization,
-    tensor_parallel_size,
-    pipeline_parallel_size,
-    max_model_len,
-    revision,
-    trust_remote_code: bool,
     kv_cache_dtype: str | None,
     enable_expert_parallel: bool,
     engine_arg: tuple[str, ...],
-    cpu_gemm: str,
-    portable: bool,
-    allow_unverified: bool,
-    fallbacks: bool,
-    signing_key_file: Path | None,
-    allow_unconditional_writes: bool,
-    format_version: str,
-    s3_access_key_id: str | None,
-    s3_secret_access_key: str | None,
-    s3_endpoint: str | None,
-    encryption_key_file: Path | None,
+    **options: Any,
 ) -> None:
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
@@ -529,30 +593,7 @@ def save(
     if enable_expert_parallel:
         engine_args["enable_expert_parallel"] = True
     try:
-        result = save_checkpoint(
-            src,
-            out,
-            dtype=dtype,
-            quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            max_model_len=max_model_len,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            cpu_gemm=cpu_gemm,
-            portable=portable,
-            allow_unverified=allow_unverified,
-            fallbacks=fallbacks,
-            engine_args=engine_args,
-            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
-            s3_access_key_id=s3_access_key_id,
-            s3_secret_access_key=s3_secret_access_key,
-            s3_endpoint=s3_endpoint,
-            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
-            progress=interactive(),
-            format_version=int(format_version),
-            allow_unconditional_writes=allow_unconditional_writes,
-        )
+        result = save_checkpoint(src, out, **options, engine_args=engine_args, progress=interactive())
     except ConfigurationError as exc:
         err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
@@ -574,8 +615,9 @@ def save(
         console().print(f"committed generation {generation}, with {', '.join(result.copied_files) or 'no model files'}")
     else:
         console().print(f"copied {', '.join(result.copied_files) or 'nothing'} into {result.out_dir}")
+    encryption_key_file = options["encryption_key_file"]
     extra = (
-        ", model_loader_extra_config={'encryption_key_file': " + repr(str(encryption_key_file)) + "}"
+        ", model_loader_extra_config={'encryption_key_file': " + repr(encryption_key_file) + "}"
         if encryption_key_file is not None
         else ""
     )
@@ -588,27 +630,28 @@ def save(
         console().print(f"load it with: LLM(model={str(result.out_dir)!r}, load_format='tensorizer_manifest'{extra})")
 
 
-@app.command("add-form")
-@click.argument("checkpoint")
-@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
-@click.option("--signing-key-file", type=_PATH, default=None, help="The key the checkpoint is sealed with.")
-@encryption_key_option("An encrypted checkpoint's key.")
-@remote_options
-@click.option(
-    "--allow-unconditional-writes", is_flag=True, help="As for save: an S3 server that ignores conditional writes."
+def _add_form_options() -> type:
+    from ..save.add_form import AddFormOptions
+
+    return AddFormOptions
+
+
+@app.command(
+    "add-form",
+    cls=ModelOptionsCommand,
+    model=_add_form_options,
+    options=[
+        click.Option(["--engine-arg", "engine_arg"], multiple=True, metavar="KEY=VALUE", help="As for save."),
+        Spelled("signing_key_file", type=_PATH),
+        Spelled("encryption_key_file", ENCRYPTION_KEY_NAMES, type=_PATH),
+        *_options_of(remote_options),
+        "allow_unconditional_writes",
+        click.Option(["--json", "json"], is_flag=True, help="Machine-readable output."),
+    ],
+    api_only=["engine_args"],
 )
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
-def add_form_command(
-    checkpoint: str,
-    engine_arg: tuple[str, ...],
-    signing_key_file: Path | None,
-    encryption_key_file: Path | None,
-    s3_access_key_id: str | None,
-    s3_secret_access_key: str | None,
-    s3_endpoint: str | None,
-    allow_unconditional_writes: bool,
-    json: bool,
-) -> None:
+@click.argument("checkpoint")
+def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, **options: Any) -> None:
     """Add this machine's processed form to CHECKPOINT (a directory or s3://bucket/prefix saved with raw
     fallbacks).
 
@@ -619,16 +662,7 @@ def add_form_command(
     from ..save.add_form import add_form
 
     try:
-        result = add_form(
-            checkpoint,
-            engine_args=parse_engine_args(engine_arg),
-            signing_key_file=str(signing_key_file) if signing_key_file is not None else None,
-            encryption_key_file=str(encryption_key_file) if encryption_key_file is not None else None,
-            s3_access_key_id=s3_access_key_id,
-            s3_secret_access_key=s3_secret_access_key,
-            s3_endpoint=s3_endpoint,
-            allow_unconditional_writes=allow_unconditional_writes,
-        )
+        result = add_form(checkpoint, **options, engine_args=parse_engine_args(engine_arg))
     except TensorizerManifestError as exc:
         _fail(exc)
     if json:

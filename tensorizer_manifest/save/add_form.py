@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import encryption_key_from, read_manifest, signing_key_from
 from ..storage.generations import S3Checkpoint, refresh_top_level
-from ..storage.options import S3Options, describe_validation_error
+from ..storage.options import S3Options, parse_options, takes_options_of
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import fetch_model_files, publish_to_s3
 from .from_source import (
@@ -37,7 +37,8 @@ from .from_source import (
 
 
 class AddFormOptions(S3Options):
-    """What ``add_form`` accepts (validated, with readable errors)."""
+    """What ``add_form`` accepts (validated, with readable errors): the one declaration of its options, which
+    ``add_form``'s signature and ``tensorizer-manifest add-form``'s options are made from."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -79,6 +80,7 @@ def engine_settings(manifest_path: Path) -> dict[str, Any]:
     )
 
 
+@takes_options_of(AddFormOptions)
 def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     """Add this machine's processed form of the layers that load here through their raw fallback.
 
@@ -89,10 +91,7 @@ def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     S3); a loader reading the old manifest meanwhile still loads, and an interrupted run leaves the
     checkpoint as it was.
     """
-    try:
-        opts = AddFormOptions(**options)
-    except ValidationError as exc:
-        raise ConfigurationError(f"invalid add-form option: {describe_validation_error(exc)}") from None
+    opts = parse_options(AddFormOptions, options, "add-form option")
     if is_remote(str(checkpoint)):
         return _add_form_remote(str(checkpoint), opts)
     if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
 from .. import _vllm_compat
 from .._constants import (
@@ -31,19 +31,22 @@ from .._constants import (
 from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
-from ..storage.options import S3Options, describe_validation_error
+from ..storage.options import S3Options, parse_options, takes_options_of
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import publish_to_s3, upload_checkpoint
-from .write import copy_model_files
 
 
 class SaveOptions(S3Options):
-    """Engine options a user sets when saving (validated, with readable errors)."""
+    """Engine options a user sets when saving (validated, with readable errors).
+
+    The one declaration of the save options: ``save_checkpoint``'s signature and the options of
+    ``tensorizer-manifest save`` are made from these fields (name, type, default, description).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = "auto"
-    quantization: str | None = None
+    dtype: str = Field("auto", description="Model dtype, as vLLM's --dtype.")
+    quantization: str | None = Field(None, description="As vLLM's --quantization.")
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = Field(
@@ -71,17 +74,22 @@ class SaveOptions(S3Options):
             "On CPU, 'fallback' keeps linear weights (vLLM's torch path, not oneDNN) so linear layers save processed."
         ),
     )
-    portable: bool = Field(False, description="Save every layer raw: loads on any machine whose engine settings match.")
+    portable: bool = Field(
+        False,
+        description="Save every layer raw: loads on any machine whose engine settings match "
+        "(vLLM's step runs at load).",
+    )
     allow_unverified: bool = Field(
-        False, description="Save processed also where the restorer is not verified on this device kind."
+        False,
+        description="Save processed also where the restorer is not verified on this device kind (recorded per layer).",
     )
     fallbacks: bool = Field(
         True,
         description=(
             "Keep, beside each layer saved processed in a form that belongs to one machine kind or one kernel "
             "(4-bit repacks, prepacked experts), its raw tensors: the checkpoint then loads on other machines and "
-            "other vLLM versions, those layers through vLLM's own step. False saves only the processed form "
-            "(smaller; refused where the form does not fit). docs/performance.md has the bytes it adds."
+            "other vLLM versions, those layers through vLLM's own step. False (--no-fallbacks) saves only the "
+            "processed form (smaller; refused where the form does not fit). docs/performance.md has the bytes it adds."
         ),
     )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any further vllm.LLM keyword arguments.")
@@ -89,7 +97,8 @@ class SaveOptions(S3Options):
         None,
         description=(
             "Path of a key file (else $TENSORIZER_MANIFEST_SIGNING_KEY): the manifest is sealed with a MAC that "
-            "only the key's holders can make; without one, with a plain digest."
+            "only the key's holders can make; without one, with a plain digest. Loading and validating then need "
+            "the same key."
         ),
     )
     encryption_key_file: str | None = Field(
@@ -97,7 +106,8 @@ class SaveOptions(S3Options):
         description=(
             "Path of a key file (else $TENSORIZER_MANIFEST_ENCRYPTION_KEY): the tensor data is encrypted with "
             "tensorizer's encryption under a key derived from it; without a signing key, the manifest is sealed "
-            "with a MAC keyed from it too."
+            "with a MAC keyed from it too. Loading needs the same key (encryption_key_file in "
+            "model_loader_extra_config)."
         ),
     )
     progress: bool = Field(
@@ -122,10 +132,7 @@ class SaveOptions(S3Options):
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
         """Validated options; a mistake is a ``ConfigurationError`` naming the option (never its value)."""
-        try:
-            return cls(**options)
-        except ValidationError as exc:
-            raise ConfigurationError(f"invalid save option: {describe_validation_error(exc)}") from None
+        return parse_options(cls, options, "save option")
 
 
 _NO_REMOTE = {"s3_access_key_id": None, "s3_secret_access_key": None, "s3_endpoint": None}
@@ -250,8 +257,12 @@ def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
     return kwargs
 
 
+@takes_options_of(SaveOptions)
 def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> SaveResult:
     """Load ``src`` with vLLM and write a self-describing checkpoint into ``out``.
+
+    The options, keyword-only, are ``SaveOptions``' fields (the signature shows them; a mistake in one is a
+    ``ConfigurationError`` naming it).
 
     ``out`` receives the config and tokenizer files of ``src`` (copied), one
     ``*.tensors`` file and one ``*.manifest.json`` per rank. While saving, the
@@ -317,6 +328,8 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         current = LocalCheckpoint(out_dir).current()
         copied = [] if current is None else [model_file.name for model_file in current.model_files]
     else:
+        from .write import copy_model_files  # torch: imported by a save, not by its options
+
         copied = copy_model_files(src_dir, out_dir)
     return SaveResult(out_dir=out_dir, ranks=list(ranks), copied_files=copied)
 

@@ -7,9 +7,11 @@ of a second at start-up).
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from .remote import RemoteOptions
 
@@ -20,6 +22,38 @@ def describe_validation_error(exc: Any) -> str:
         f"{'.'.join(str(part) for part in error['loc']) or 'options'}: {error['msg']}"
         for error in exc.errors(include_url=False, include_input=False)
     )
+
+
+Model = TypeVar("Model", bound=BaseModel)
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def parse_options(model: type[Model], options: dict[str, Any], what: str) -> Model:
+    """``model(**options)``; a mistake is a ``ConfigurationError`` naming the option (never its value)."""
+    from ..errors import ConfigurationError
+
+    try:
+        return model(**options)
+    except ValidationError as exc:
+        raise ConfigurationError(f"invalid {what}: {describe_validation_error(exc)}") from None
+
+
+def takes_options_of(model: type[BaseModel]) -> Callable[[Function], Function]:
+    """Show a function's ``**options`` as ``model``'s fields, keyword-only, each with its type and default.
+
+    The model stays the one declaration of the options (the function validates them with it); its signature
+    becomes the function's ``__signature__``, which ``help()``, ``inspect`` and IDEs that introspect (IPython,
+    Jupyter) show. A static checker still sees ``**options``.
+    """
+
+    def decorate(function: Function) -> Function:
+        signature = inspect.signature(function)
+        fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fields = list(inspect.signature(model).parameters.values())
+        function.__signature__ = signature.replace(parameters=[*fixed, *fields])  # type: ignore[attr-defined]
+        return function
+
+    return decorate
 
 
 class S3Options(BaseModel):

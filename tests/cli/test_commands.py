@@ -54,15 +54,21 @@ def test_inspect_table_and_json_on_a_saved_checkpoint(scenarios):
 @pytest.mark.e2e
 def test_inspect_imports_neither_torch_nor_vllm(scenarios):
     checkpoint = scenarios.e2e("llama")["checkpoint"]
+    proc = run_importing_none_of(["inspect", checkpoint, "--json"], ("torch", "vllm"))
+    assert json.loads(proc.stdout)["summary"]["layers"] > 0
+
+
+def run_importing_none_of(args: list[str], packages: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """The command ``args`` in a fresh interpreter, which imports no module of ``packages`` (asserted there)."""
     code = (
         "import sys\nfrom tensorizer_manifest.cli.commands import app\n"
-        f"try:\n    app(['inspect', {checkpoint!r}, '--json'])\nexcept SystemExit:\n    pass\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'))\n"
+        f"try:\n    app({args!r})\nexcept SystemExit:\n    pass\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})\n"
         "assert not bad, bad\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["summary"]["layers"] > 0
+    return proc
 
 
 def test_inspect_missing_path_is_one_clear_line(tmp_path):
@@ -348,3 +354,90 @@ def test_inspect_and_validate_name_the_generation_of_a_format_3_checkpoint(tmp_p
     assert f"generation {publication.generation_id} (save; over nothing): tp=1 pp=1 (1 ranks)" in shown.stdout
     checked = run("validate", str(root), "--json")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _handed_on(monkeypatch, module, function: str, args: list[str]) -> dict:
+    """The keyword arguments a command hands ``module.function`` for ``args`` (stopped there: no engine)."""
+    from click.testing import CliRunner
+
+    from tensorizer_manifest.cli.commands import app
+    from tensorizer_manifest.errors import ConfigurationError
+
+    seen: dict = {}
+
+    def stop(*_args, **kwargs):
+        seen.update(kwargs)
+        raise ConfigurationError("stopped here")
+
+    monkeypatch.setattr(module, function, stop)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "stopped here" in result.output, result.output
+    return seen
+
+
+def test_save_options_are_the_models_fields_as_today(monkeypatch, tmp_path):
+    """``save``'s options are made from ``SaveOptions``: each field's default, type and description, under the
+    spellings the command always had; what reaches ``save_checkpoint`` is what the model takes."""
+    from tensorizer_manifest.cli.commands import app
+    from tensorizer_manifest.save import from_source
+    from tensorizer_manifest.save.from_source import SaveOptions
+
+    handed = _handed_on(monkeypatch, from_source, "save_checkpoint", ["save", "src", "out"])
+    defaults = SaveOptions().model_dump(exclude={"kv_cache_memory_bytes"})  # the one option the API only takes
+    assert handed == {**defaults, "engine_args": {}, "progress": False}
+    handed = _handed_on(
+        monkeypatch,
+        from_source,
+        "save_checkpoint",
+        ["save", "src", "out", "-tp", "2", "--format-version", "2", "--no-fallbacks", "--cpu-gemm", "fallback",
+         "--encrypt-key-file", "k", "--signing-key-file", "s", "--kv-cache-dtype", "fp8", "--engine-arg", "x=1"],
+    )  # fmt: skip
+    assert handed["tensor_parallel_size"] == 2 and handed["format_version"] == 2 and handed["fallbacks"] is False
+    assert (
+        handed["cpu_gemm"] == "fallback" and handed["encryption_key_file"] == "k" and handed["signing_key_file"] == "s"
+    )
+    assert handed["engine_args"] == {"x": 1, "kv_cache_dtype": "fp8"}
+    options = {p.name: p for p in app.commands["save"].params}
+    for name, info in SaveOptions.model_fields.items():
+        if name in options and not name.startswith("s3_"):  # the s3 options are every command's, one declaration
+            assert options[name].help == info.description, name
+    assert options["encryption_key_file"].opts == [
+        "--encryption-key-file",
+        "--encryption-keyfile",
+        "--encrypt-key-file",
+    ]
+    assert options["tensor_parallel_size"].opts == ["--tensor-parallel-size", "-tp"]
+    assert options["fallbacks"].opts == ["--fallbacks"] and options["fallbacks"].secondary_opts == ["--no-fallbacks"]
+
+
+def test_add_form_options_are_the_models_fields(monkeypatch):
+    from tensorizer_manifest.save import add_form
+    from tensorizer_manifest.save.add_form import AddFormOptions
+
+    handed = _handed_on(monkeypatch, add_form, "add_form", ["add-form", "c", "--encryption-keyfile", "k", "--json"])
+    assert handed == {**AddFormOptions().model_dump(), "encryption_key_file": "k"}
+
+
+def test_a_model_field_with_no_option_is_caught_when_the_command_is_made():
+    import click
+    from pydantic import BaseModel
+
+    from tensorizer_manifest.cli.commands import ModelOptionsCommand
+
+    class Options(BaseModel):
+        shown: int = 1
+        forgotten: bool = False
+
+    command = ModelOptionsCommand("c", callback=lambda **_: None, model=lambda: Options, options=["shown"])
+    with pytest.raises(RuntimeError, match="forgotten"):
+        command.params  # noqa: B018
+    listed = ModelOptionsCommand("c", model=lambda: Options, options=["shown"], api_only=["forgotten"])
+    assert [p.opts for p in listed.params if isinstance(p, click.Option)] == [["--shown"]]
+
+
+def test_the_light_commands_import_no_option_model():
+    """The options of ``save`` and ``add-form`` are made when those commands run: ``inspect`` and ``--help``
+    import neither pydantic nor torch for them, and ``save --help`` no torch."""
+    run_importing_none_of(["--help"], ("pydantic", "torch", "vllm"))
+    run_importing_none_of(["inspect", "--help"], ("pydantic", "torch", "vllm"))
+    run_importing_none_of(["save", "--help"], ("torch", "vllm"))

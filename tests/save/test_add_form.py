@@ -41,3 +41,14 @@ def test_s3_options_for_a_local_checkpoint_are_refused(tmp_path):
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
     with pytest.raises(ConfigurationError, match="s3_\\* options are for an s3:// checkpoint"):
         add_form(checkpoint, s3_endpoint="http://127.0.0.1:1")
+
+
+def test_the_signature_shows_every_option_keyword_only():
+    import inspect
+
+    from tensorizer_manifest.save.add_form import AddFormOptions
+
+    parameters = inspect.signature(add_form).parameters
+    assert list(parameters)[0] == "checkpoint"
+    keyword_only = [n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keyword_only == list(AddFormOptions.model_fields)

@@ -153,3 +153,15 @@ def test_the_saving_kv_cache_holds_two_cache_blocks_of_any_model(tmp_path):
     assert (
         engine_kwargs(SaveOptions.parse({}), _model_dir(tmp_path, {"n_layer": 2}))["kv_cache_memory_bytes"] == 64 << 20
     )
+
+
+def test_the_signature_shows_every_option_keyword_only():
+    import inspect
+
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    parameters = inspect.signature(save_checkpoint).parameters
+    assert list(parameters)[:2] == ["src", "out"]
+    options = {n: p for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert list(options) == list(SaveOptions.model_fields)
+    assert options["dtype"].default == "auto" and options["format_version"].default == 3
