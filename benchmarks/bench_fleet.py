@@ -121,7 +121,7 @@ def main() -> None:
     }
     print(f"machine: {machine}")
     checkpoint = Path(bench_load.prepare(args.work, args.size)["mixed"])
-    tensor_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.tensors"))
+    tensor_bytes = bench_load.tensor_file_of(str(checkpoint)).stat().st_size
     runs = []
     with contextlib.ExitStack() as stack:
         if args.server == "s3":

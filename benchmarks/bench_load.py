@@ -520,6 +520,13 @@ def plot(summaries: list[dict], refs: dict, path: Path) -> None:
     print(f"plot: {path}")
 
 
+def tensor_file_of(checkpoint: str) -> Path:
+    """The tensor file a load of ``checkpoint`` reads (format version 3: in its current generation's folder)."""
+    from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
+
+    return Path(resolve_tensor_file(*load_manifest(Path(checkpoint))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,medium,large")
@@ -553,7 +560,7 @@ def main() -> None:
         dirs = prepare(args.work, size)
         paths = [p for p in args.paths.split(",") if p] + ([] if args.no_read_reference else [READ_REFERENCE])
         runs = []
-        tensor_file = next(Path(dirs["processed"]).glob("*.tensors"))
+        tensor_file = tensor_file_of(dirs["processed"])
         for round_ in range(args.rounds):
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
                 if path == READ_REFERENCE:
@@ -574,7 +581,7 @@ def main() -> None:
         print_summary(summary)
         summaries.append(summary)
         if size == "large":
-            tensor_file = next(Path(dirs["mixed"]).glob("*.tensors"))
+            tensor_file = tensor_file_of(dirs["mixed"])
             raw = references(tensor_file, args.rounds)
             refs = {k: v for k, v in raw.items() if k != "bytes"}
             print(f"  machine references over {raw['bytes'] / 1e9:.2f} GB:")
