@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
-from ..storage.checkpoint import encryption_key_from, read_manifest, signing_key_from
+from ..storage.checkpoint import read_manifest
 from ..storage.generations import S3Checkpoint, refresh_top_level
 from ..storage.options import S3Options, parse_options, takes_options_of
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
@@ -143,12 +143,10 @@ def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions
         refresh_top_level(stage)  # the model files and stubs where vLLM's ``model`` path reads them
         result = _add_form(stage, opts, checkpoint_dir=uri)
         if any(rank.get("generation") for rank in result.ranks):
-            publish_to_s3(
+            publish_to_s3(  # over its parent, as sealed in the stage: nothing to seal again, no key needed
                 stage,
                 uri,
                 opts.remote(),
-                signing_key=signing_key_from(signing_key_file_path(opts.signing_key_file)),
-                encryption_key=encryption_key_from(encryption_key_file_path(opts.encryption_key_file)),
                 allow_unconditional_writes=opts.allow_unconditional_writes,
                 only_over_its_parent=True,
             )

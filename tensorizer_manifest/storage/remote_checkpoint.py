@@ -144,9 +144,10 @@ def publish_to_s3(
             )
         if path.stat().st_size >= SMALL_FILE_BYTES:
             store.upload(relative, path)  # under this generation's id: no other writer uses the key
-        elif not store.create(relative, path.read_bytes()):  # there already: an earlier try of this publish
-            if blake3_hex(target.read_bytes(SMALL_FILE_BYTES)) != blake3_hex(path.read_bytes()):
-                raise IntegrityError(f"{target}: holds other bytes than {path}; this generation id was used twice")
+            continue
+        data = path.read_bytes()
+        if not store.create(relative, data) and target.read_bytes(SMALL_FILE_BYTES) != data:  # an earlier try's
+            raise IntegrityError(f"{target}: holds other bytes than {path}; this generation id was used twice")
     store.commit(generation)
     try:
         refresh_remote_top_level(store)
