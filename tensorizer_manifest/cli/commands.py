@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from ..testing.tiny import TINY_KINDS
+from ..embedded_models.tiny import TINY_KINDS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from ..embedded_models.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 from ..save.from_source import save_checkpoint, shutdown
 from ..storage.checkpoint import load_manifest
-from ..testing.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 from .summary import render
 
 

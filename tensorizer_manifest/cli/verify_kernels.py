@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from .._constants import __version__
+from ..embedded_models.tiny import DEMO_PROMPTS
 from ..format.schema import Manifest, full_name
 from ..format.verification import VerificationRecord
 from ..restorers import RESTORERS
 from ..save.from_source import save_checkpoint, shutdown
 from ..storage.checkpoint import load_manifest
-from ..testing.tiny import DEMO_PROMPTS
 
 
 @dataclass

@@ -34,7 +34,7 @@ def test_recording_post_load_sees_each_layer_a_step_ran_on_and_puts_the_classes_
 
 @pytest.fixture(scope="module")
 def gptq_model(e2e_dir):
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     return build_tiny_model(e2e_dir / "tiny-gptq-w4", "gptq-w4")
 

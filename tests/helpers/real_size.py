@@ -32,7 +32,7 @@ DTYPE = "bfloat16"
 
 def build(out_dir: str | Path, **overrides) -> Path:
     """The model directory (built once: an existing complete one is reused), checked against the shape."""
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     sizes = {**LLAMA_3_2_1B, **overrides}
     out = build_tiny_model(out_dir, KIND, **sizes)

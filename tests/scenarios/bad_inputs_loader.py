@@ -26,8 +26,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from tensorizer_manifest.cli.demo import engine_options
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS
     from tensorizer_manifest.save.from_source import shutdown
-    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
 
     results = {}
     for case in BAD_INPUTS + MODEL_BAD_INPUTS:

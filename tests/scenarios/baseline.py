@@ -21,8 +21,8 @@ def main() -> None:
     kind, workdir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.save.from_source import shutdown
-    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model(os.path.join(workdir, f"tiny-{kind}"), kind))
     path = os.path.join(workdir, f"vllm-{mode}-{kind}.tensors")

@@ -34,9 +34,9 @@ def main() -> None:
 
     from tensorizer_manifest import WORKER_EXTENSION
     from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
-    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 
     model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
     engine = engine_args("llama")

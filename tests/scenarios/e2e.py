@@ -85,8 +85,8 @@ def main() -> dict:
     import torch
 
     from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import apply_cpu_gemm, save_checkpoint
-    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     if args.fallback:
         apply_cpu_gemm("fallback")

@@ -21,9 +21,9 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import save_checkpoint
     from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
-    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
     key, wrong = os.path.join(workdir, "encryption.key"), os.path.join(workdir, "wrong.key")

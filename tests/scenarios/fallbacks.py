@@ -92,8 +92,8 @@ def main() -> None:
     from helpers.post_load import install_post_load_counter
 
     from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import engine_args
     from tensorizer_manifest.storage import tensor_file
-    from tensorizer_manifest.testing.tiny import engine_args
 
     counts = install_post_load_counter()
     read: dict[str, list] = {"keys": []}

@@ -90,8 +90,8 @@ def one_rank(workdir: str) -> dict:
 
     from tensorizer_manifest import LOAD_FORMAT
     from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.storage.generations import LocalCheckpoint
-    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
     out = os.path.join(workdir, "ckpt-llama-v3")
@@ -154,7 +154,7 @@ def _commit_again(out: str) -> str:
 
 def tensor_parallel_race(workdir: str) -> dict:
     from tensorizer_manifest.cli.demo import generate_tokens
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     model_a = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")

@@ -130,10 +130,10 @@ def main() -> dict:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # the TP=2 save: one core per rank (one NUMA node here)
     from helpers.servers import BUCKET, MotoS3
 
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS, build_tiny_model
     from tensorizer_manifest.save.from_source import save_checkpoint
     from tensorizer_manifest.storage.remote import RemoteOptions
     from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, upload_checkpoint
-    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS, build_tiny_model
 
     model_dir = str(build_tiny_model(workdir / "tiny-llama", "llama"))
     checkpoint = workdir / "ckpt-llama-tp2-multinode"

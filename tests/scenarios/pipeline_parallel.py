@@ -32,9 +32,9 @@ def main() -> None:
 
     workdir = sys.argv[1]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
-    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
     out = os.path.join(workdir, "ckpt-llama-pp2")

@@ -82,7 +82,7 @@ def main() -> None:
     from helpers.checkpoints import manifest_file
     from helpers.real_size import DTYPE, build, weight_bytes
 
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     # The baseline's save of the tiny Llama runs while the model is built: peak RSS does not depend on
     # the CPU time it gets, and the build spends much of its time on one core, writing.

@@ -33,11 +33,11 @@ def main() -> None:
 
     from tensorizer_manifest.checks.validate import validate_checkpoint
     from tensorizer_manifest.cli.demo import generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import save_checkpoint
     from tensorizer_manifest.storage.checkpoint import load_manifest
     from tensorizer_manifest.storage.remote import RemoteOptions
     from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files
-    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     kind = "llama"
     model_dir = build_tiny_model(workdir / f"tiny-{kind}", kind)

@@ -35,7 +35,7 @@ def _answers(llm) -> list:
     """What the engine serves for the demo prompts: greedy tokens and, per step, the top logprobs exactly."""
     from vllm import SamplingParams
 
-    from tensorizer_manifest.testing.tiny import DEMO_PROMPTS
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
     outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
@@ -82,9 +82,9 @@ def main() -> None:
 
     from tensorizer_manifest import WORKER_EXTENSION
     from tensorizer_manifest.cli.demo import engine_options, generate_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
-    from tensorizer_manifest.testing.tiny import build_tiny_model, engine_args
 
     model_dir = str(build_tiny_model(os.path.join(workdir, f"tiny-{kind}"), kind))
     engine = engine_args(kind)

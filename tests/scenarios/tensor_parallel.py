@@ -34,9 +34,9 @@ def main() -> None:
     from vllm import LLM
 
     from tensorizer_manifest.cli.demo import engine_options, generate_tokens, greedy_tokens
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
-    from tensorizer_manifest.testing.tiny import build_tiny_model
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
     out = os.path.join(workdir, "ckpt-qwen3-tied-tp2")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tensorizer_manifest.testing import tiny
-from tensorizer_manifest.testing.families import FAMILIES
+from tensorizer_manifest.embedded_models import tiny
+from tensorizer_manifest.embedded_models.families import FAMILIES
 
 
 def build(tmp_path: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tensorizer_manifest.testing import tiny
+from tensorizer_manifest.embedded_models import tiny
 
 GROUP = tiny.INT4_GROUP_SIZE
 LINEARS = (
