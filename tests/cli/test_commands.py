@@ -103,7 +103,7 @@ def test_save_of_a_missing_model_is_one_clear_line(tmp_path):
 
 @pytest.mark.e2e
 def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path):
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     src = build_tiny_model(e2e_dir / "tiny-llama", "llama")
     out = tmp_path / "saved"
@@ -153,7 +153,7 @@ def test_engine_args_are_read_as_vllm_serve_would():
 @needs_fp8_kv
 def test_save_passes_engine_options_into_the_fingerprint(e2e_dir, tmp_path):
     """A checkpoint of a model with calibrated fp8 KV scales, saved from the CLI with an fp8 KV cache."""
-    from tensorizer_manifest.testing.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     src = build_tiny_model(e2e_dir / "tiny-kv-fp8-calibrated", "kv-fp8-calibrated")
     out = tmp_path / "saved"
@@ -291,7 +291,7 @@ def test_validate_and_inspect_take_vllm_tensorizer_names(tmp_path):
 
 
 def test_inspect_of_a_stock_vllm_file_names_the_resave_command(tmp_path):
-    from test_checkpoint import write_stock_tensor_file
+    from helpers.checkpoints import write_stock_tensor_file
 
     stock = write_stock_tensor_file(tmp_path / "stock" / "model.tensors")
     shown = run("inspect", str(stock))

@@ -36,3 +36,15 @@ def copy_as_version_2(checkpoint: str | Path, out: str | Path) -> Path:
             for path in rank.tensor_files:
                 shutil.copyfile(source / path, out / Path(path).name)
     return out
+
+
+def write_stock_tensor_file(path):
+    """A tensor file as stock vLLM's ``save_tensorized_model`` writes one: tensorizer's, no manifest beside it."""
+    import torch
+    from tensorizer import TensorSerializer
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    serializer = TensorSerializer(str(path))
+    serializer.write_state_dict({"model.embed_tokens.weight": torch.ones(4, 4)})
+    serializer.close()
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.checkpoints import write_stock_tensor_file
 from helpers.synthetic import write_synthetic_checkpoint
 
 from tensorizer_manifest.errors import CheckpointNotFoundError, CompatibilityError, ManifestError
@@ -134,18 +135,6 @@ def test_a_rank_layout_other_than_the_saved_one_is_named_before_anything_is_read
     assert "saved with tensor_parallel_size=1, pipeline_parallel_size=2" in message
     assert "this engine runs tensor_parallel_size=2, pipeline_parallel_size=1" in message
     assert info.value.differences == [("parallel_layout", (1, 2), (2, 1))]
-
-
-def write_stock_tensor_file(path):
-    """A tensor file as stock vLLM's ``save_tensorized_model`` writes one: tensorizer's, no manifest beside it."""
-    import torch
-    from tensorizer import TensorSerializer
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    serializer = TensorSerializer(str(path))
-    serializer.write_state_dict({"model.embed_tokens.weight": torch.ones(4, 4)})
-    serializer.close()
-    return path
 
 
 def test_a_tensor_file_given_finds_the_manifest_beside_it(tmp_path):
