@@ -15,31 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from ._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT, WORKER_EXTENSION, __version__
-from .errors import (
-    CheckpointNotFoundError,
-    CompatibilityError,
-    ConcurrentWriteError,
-    ConfigurationError,
-    IntegrityError,
-    ManifestError,
-    ManifestVersionError,
-    NoManifestError,
-    NotReproducibleError,
-    RemoteAccessError,
-    RemoteChangedError,
-    RemoteNotFoundError,
-    RemoteStalledError,
-    RemoteStorageError,
-    RemoteThrottledError,
-    RemoteUnreachableError,
-    ReplayError,
-    TensorizerManifestError,
-    UnsafeStorageError,
-    UnsupportedModelError,
-    UnsupportedTensorizerError,
-    UnsupportedVLLMError,
-)
+from .errors import *  # noqa: F403  (every error class: errors.__all__, added to ours below)
 from .format.schema import FORMAT_VERSION, Manifest, decode_manifest, encode_manifest, json_schema
 from .storage.checkpoint import read_manifest
 from .storage.remote import RemoteOptions
@@ -104,27 +82,5 @@ __all__ = [
     # extending
     "Restorer",
     "register_restorer",
-    # errors
-    "TensorizerManifestError",
-    "ManifestError",
-    "ManifestVersionError",
-    "CheckpointNotFoundError",
-    "NoManifestError",
-    "ConfigurationError",
-    "IntegrityError",
-    "CompatibilityError",
-    "UnsupportedModelError",
-    "UnsupportedVLLMError",
-    "UnsupportedTensorizerError",
-    "NotReproducibleError",
-    "ReplayError",
-    "ConcurrentWriteError",
-    "RemoteStorageError",
-    "RemoteNotFoundError",
-    "RemoteAccessError",
-    "RemoteUnreachableError",
-    "RemoteThrottledError",
-    "RemoteChangedError",
-    "RemoteStalledError",
-    "UnsafeStorageError",
 ]
+__all__ += errors.__all__  # every error class, as errors.py lists them

@@ -97,3 +97,51 @@ def test_the_public_surface_is_the_one_before_the_folders():
     from helpers.public_surface import FIXTURE, surface
 
     assert surface() == json.loads(FIXTURE.read_text())
+
+
+def test_keywords_declared_once_are_shown_where_they_are_passed_on():
+    """``takes_keywords_of``: a function that passes ``**options`` on shows its source's keyword-only parameters
+    (a pydantic model's fields, or a callee's), after its own fixed ones, and still passes them on."""
+    import inspect
+
+    from pydantic import BaseModel
+
+    from tensorizer_manifest._signatures import takes_keywords_of
+
+    class Options(BaseModel):
+        size: int = 1
+        name: str | None = None
+
+    def callee(a, b=2, *, flag: bool = False, level: int = 3) -> tuple:
+        return a, b, flag, level
+
+    @takes_keywords_of(Options)
+    def from_model(src: str, **options) -> Options:
+        return Options(**options)
+
+    @takes_keywords_of(callee)
+    def forwards(a, **options) -> tuple:
+        return callee(a, **options)
+
+    shown = inspect.signature(from_model)
+    assert [(p.name, p.kind.name, p.default) for p in shown.parameters.values()] == [
+        ("src", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
+        ("size", "KEYWORD_ONLY", 1),
+        ("name", "KEYWORD_ONLY", None),
+    ]
+    assert list(inspect.signature(forwards).parameters) == ["a", "flag", "level"]  # b is the callee's own
+    assert forwards(1, level=5) == (1, 2, False, 5) and from_model("x", size=4).size == 4
+
+
+def test_the_forwarding_writers_and_readers_show_their_callees_keywords():
+    """``write_checkpoint`` and ``open_checked`` declare none of their own: their keywords are the functions'
+    they pass them to, so the two cannot drift apart."""
+    import inspect
+
+    from tensorizer_manifest.checks.validate import open_checked, open_checked_forms
+    from tensorizer_manifest.save.write import prepare_checkpoint, write_checkpoint
+
+    for forwarding, callee in ((write_checkpoint, prepare_checkpoint), (open_checked, open_checked_forms)):
+        shown, declared = inspect.signature(forwarding).parameters, inspect.signature(callee).parameters
+        assert list(shown) == list(declared), forwarding.__name__
+        assert [p.default for p in shown.values()] == [p.default for p in declared.values()]

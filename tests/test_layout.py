@@ -127,6 +127,7 @@ _SHARED_TEST_FILE = {
     "tensorizer_manifest": "test_api",
     "tensorizer_manifest.errors": "test_api",
     "tensorizer_manifest._constants": "test_api",
+    "tensorizer_manifest._signatures": "test_api",
     **{
         f"tensorizer_manifest.checks.{name}": "checks/test_checks"
         for name in ("report", "seal", "records", "tensor_files")

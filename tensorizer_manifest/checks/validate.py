@@ -27,7 +27,9 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
+from .._signatures import takes_keywords_of
 from ..errors import (
     CompatibilityError,
     ConfigurationError,
@@ -91,34 +93,6 @@ def check_files(
     problems = [p for ref, tensor_path, keys in files for p in check_tensor_file(ref, tensor_path, keys)]
     ValidationReport(manifest_path, files[0][1], problems=tuple(problems)).raise_for_problems()
     return files[0][1]
-
-
-@contextmanager
-def open_checked(
-    manifest: Manifest,
-    manifest_path: FileLocation,
-    *,
-    signing_key: SigningKey | None = None,
-    encryption_key: EncryptionKey | None = None,
-    device: str = "cpu",
-    num_readers: int | None = None,
-) -> Iterator[TensorFileReader]:
-    """``check_files``, then the tensor file open for reading, its header parsed by tensorizer once.
-
-    The prefix hash vouches for tensorizer's header and index with plain reads
-    before tensorizer opens the file; the index the reader then parsed is
-    checked as ``check_files`` checks it. Nothing is read from the tensor data.
-    ``open_checked_forms`` gives the added forms' files too.
-    """
-    with open_checked_forms(
-        manifest,
-        manifest_path,
-        signing_key=signing_key,
-        encryption_key=encryption_key,
-        device=device,
-        num_readers=num_readers,
-    ) as files:
-        yield files.main
 
 
 class CheckedFiles:
@@ -200,6 +174,20 @@ def open_checked_forms(
             return open_one(manifest.added_forms[index].tensor_file, forms_by_key[index])
 
         yield CheckedFiles(main, open_form, form_problems)
+
+
+@contextmanager
+@takes_keywords_of(open_checked_forms)
+def open_checked(manifest: Manifest, manifest_path: FileLocation, **options: Any) -> Iterator[TensorFileReader]:
+    """``check_files``, then the tensor file open for reading, its header parsed by tensorizer once.
+
+    The prefix hash vouches for tensorizer's header and index with plain reads
+    before tensorizer opens the file; the index the reader then parsed is
+    checked as ``check_files`` checks it. Nothing is read from the tensor data.
+    ``open_checked_forms`` gives the added forms' files too.
+    """
+    with open_checked_forms(manifest, manifest_path, **options) as files:
+        yield files.main
 
 
 @contextmanager

@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from ..errors import TensorizerManifestError
 from ..embedded_models.tiny import TINY_KINDS
+from ..errors import TensorizerManifestError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,27 +68,10 @@ def _location(value: str) -> Path | str:
 
 def remote_options(fn):
     """``--s3-access-key-id``, ``--s3-secret-access-key``, ``--s3-endpoint``: for s3:// checkpoints."""
-    for option in reversed(
-        [
-            click.option(
-                "--s3-access-key-id",
-                default=None,
-                help="S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",
-            ),
-            click.option(
-                "--s3-secret-access-key",
-                default=None,
-                help="S3 secret key (else ~/.s3cfg, else $AWS_SECRET_ACCESS_KEY; prefer those: "
-                "a command line is visible to other users).",
-            ),
-            click.option(
-                "--s3-endpoint",
-                default=None,
-                help="S3 endpoint URL (else host_base in ~/.s3cfg, else $AWS_ENDPOINT_URL).",
-            ),
-        ]
-    ):
-        fn = option(fn)
+    from ..storage.remote.credentials import S3_OPTIONS_HELP
+
+    for name, help_text in reversed(S3_OPTIONS_HELP.items()):
+        fn = click.option("--" + name.replace("_", "-"), default=None, help=help_text)(fn)
     return fn
 
 

@@ -19,11 +19,12 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from .._signatures import takes_keywords_of
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import read_manifest
 from ..storage.generations import S3Checkpoint, refresh_top_level
-from ..storage.options import S3Options, parse_options, takes_options_of
+from ..storage.options import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import fetch_model_files, publish_to_s3
 from .from_source import (
@@ -80,7 +81,7 @@ def engine_settings(manifest_path: Path) -> dict[str, Any]:
     )
 
 
-@takes_options_of(AddFormOptions)
+@takes_keywords_of(AddFormOptions)
 def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     """Add this machine's processed form of the layers that load here through their raw fallback.
 

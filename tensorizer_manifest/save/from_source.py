@@ -28,10 +28,11 @@ from .._constants import (
     SPILL_DIR_ENV,
     WORKER_EXTENSION,
 )
+from .._signatures import takes_keywords_of
 from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
-from ..storage.options import S3Options, parse_options, takes_options_of
+from ..storage.options import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import publish_to_s3, upload_checkpoint
 
@@ -257,7 +258,7 @@ def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
     return kwargs
 
 
-@takes_options_of(SaveOptions)
+@takes_keywords_of(SaveOptions)
 def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: Any) -> SaveResult:
     """Load ``src`` with vLLM and write a self-describing checkpoint into ``out``.
 

@@ -15,12 +15,14 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import msgspec
 import torch
 
 from .._constants import PRODUCER
+from .._signatures import takes_keywords_of
 from ..checks.seal import check_seal
 from ..errors import ConcurrentWriteError, ConfigurationError, ManifestError
 from ..format.generation import POINTER_NAME
@@ -138,55 +140,6 @@ def stored_tensors(to_store: list[tuple[str, TensorSlot]]) -> Iterator[tuple[str
         yield key, slot.data(buffer)
 
 
-def write_checkpoint(
-    capture: Capture,
-    out_dir: Path,
-    stem: str,
-    *,
-    signing_key: SigningKey | None = None,
-    release: bool = False,
-    encryption_key: EncryptionKey | None = None,
-    progress: ProgressCallback | None = None,
-    save_id: str | None = None,
-) -> Manifest:
-    """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
-
-    With ``encryption_key`` the tensor data is encrypted (tensorizer's own
-    encryption; the manifest records it, and its content hashes stay those of
-    the plaintext). The manifest is sealed last, over every field: keyed
-    (``mac``) with ``signing_key``, else keyed from ``encryption_key``
-    (``mac-encryption-key``), else a plain ``digest``. ``progress`` is called
-    after each tensor is written.
-
-    Crash safety: the tensor file gets a new name derived from its content, so a
-    checkpoint already at ``out_dir`` is never touched until the new manifest
-    replaces the old one in a single atomic rename. Killed at any moment, the
-    directory holds either the old complete checkpoint or the new one; at worst
-    beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
-    tensor file, both removed by the next save.
-
-    The manifest found when this write starts is the one it may replace: one another writer committed
-    meanwhile (an add-form, another save) is a ``ConcurrentWriteError``, and this write commits nothing.
-
-    ``release`` closes the capture's pre-step copies as soon as the tensor file is
-    written, so that their dirty pages are dropped instead of competing with the
-    ``fsync`` for the disk. ``save_id`` is the id every rank of a sharded save shares (``Manifest.save_id``).
-
-    It is ``prepare_checkpoint`` then ``PreparedCheckpoint.commit``: the ranks of a sharded save vote between
-    the two (``vllm_integration``), so that none commits unless all have written their part.
-    """
-    return prepare_checkpoint(
-        capture,
-        out_dir,
-        stem,
-        signing_key=signing_key,
-        release=release,
-        encryption_key=encryption_key,
-        progress=progress,
-        save_id=save_id,
-    ).commit()
-
-
 class PreparedCheckpoint:
     """A checkpoint written but not committed: its tensor file is in place under its final name (named by no
     manifest yet), its manifest sealed and held in memory. ``commit`` makes it the checkpoint; ``abandon``
@@ -241,6 +194,37 @@ def prepare_checkpoint(
     manifest.format_version = required_format_version(manifest)
     manifest.seal = seal_manifest(manifest, signing_key, encryption_key)
     return PreparedCheckpoint(out_dir, stem, manifest, tensor_name, started_from)
+
+
+@takes_keywords_of(prepare_checkpoint)
+def write_checkpoint(capture: Capture, out_dir: Path, stem: str, **options: Any) -> Manifest:
+    """Write ``<stem>.<digest>.tensors`` and then ``<stem>.manifest.json`` into ``out_dir``.
+
+    With ``encryption_key`` the tensor data is encrypted (tensorizer's own
+    encryption; the manifest records it, and its content hashes stay those of
+    the plaintext). The manifest is sealed last, over every field: keyed
+    (``mac``) with ``signing_key``, else keyed from ``encryption_key``
+    (``mac-encryption-key``), else a plain ``digest``. ``progress`` is called
+    after each tensor is written.
+
+    Crash safety: the tensor file gets a new name derived from its content, so a
+    checkpoint already at ``out_dir`` is never touched until the new manifest
+    replaces the old one in a single atomic rename. Killed at any moment, the
+    directory holds either the old complete checkpoint or the new one; at worst
+    beside it an unreferenced hidden ``*.tmp`` file or an unreferenced complete
+    tensor file, both removed by the next save.
+
+    The manifest found when this write starts is the one it may replace: one another writer committed
+    meanwhile (an add-form, another save) is a ``ConcurrentWriteError``, and this write commits nothing.
+
+    ``release`` closes the capture's pre-step copies as soon as the tensor file is
+    written, so that their dirty pages are dropped instead of competing with the
+    ``fsync`` for the disk. ``save_id`` is the id every rank of a sharded save shares (``Manifest.save_id``).
+
+    It is ``prepare_checkpoint`` then ``PreparedCheckpoint.commit``: the ranks of a sharded save vote between
+    the two (``vllm_integration``), so that none commits unless all have written their part.
+    """
+    return prepare_checkpoint(capture, out_dir, stem, **options).commit()
 
 
 def refuse_a_generations_checkpoint(out_dir: Path) -> None:

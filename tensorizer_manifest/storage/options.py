@@ -7,13 +7,12 @@ of a second at start-up).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from .remote import RemoteOptions
+from .remote.credentials import S3_OPTIONS_HELP
 
 
 def describe_validation_error(exc: Any) -> str:
@@ -25,7 +24,6 @@ def describe_validation_error(exc: Any) -> str:
 
 
 Model = TypeVar("Model", bound=BaseModel)
-Function = TypeVar("Function", bound=Callable[..., Any])
 
 
 def parse_options(model: type[Model], options: dict[str, Any], what: str) -> Model:
@@ -38,36 +36,14 @@ def parse_options(model: type[Model], options: dict[str, Any], what: str) -> Mod
         raise ConfigurationError(f"invalid {what}: {describe_validation_error(exc)}") from None
 
 
-def takes_options_of(model: type[BaseModel]) -> Callable[[Function], Function]:
-    """Show a function's ``**options`` as ``model``'s fields, keyword-only, each with its type and default.
-
-    The model stays the one declaration of the options (the function validates them with it); its signature
-    becomes the function's ``__signature__``, which ``help()``, ``inspect`` and IDEs that introspect (IPython,
-    Jupyter) show. A static checker still sees ``**options``.
-    """
-
-    def decorate(function: Function) -> Function:
-        signature = inspect.signature(function)
-        fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        fields = list(inspect.signature(model).parameters.values())
-        function.__signature__ = signature.replace(parameters=[*fixed, *fields])  # type: ignore[attr-defined]
-        return function
-
-    return decorate
-
-
 class S3Options(BaseModel):
     """The S3 fields of the save and load options (pydantic): one place for their names and their fallbacks."""
 
-    s3_access_key_id: str | None = Field(
-        None, repr=False, description="S3 access key id (else ~/.s3cfg, else AWS_ACCESS_KEY_ID)."
-    )
+    s3_access_key_id: str | None = Field(None, repr=False, description=S3_OPTIONS_HELP["s3_access_key_id"])
     s3_secret_access_key: SecretStr | None = Field(
-        None, repr=False, description="S3 secret access key (else ~/.s3cfg, else AWS_SECRET_ACCESS_KEY)."
+        None, repr=False, description=S3_OPTIONS_HELP["s3_secret_access_key"]
     )
-    s3_endpoint: str | None = Field(
-        None, description="S3 endpoint URL (else host_base in ~/.s3cfg, else AWS_ENDPOINT_URL)."
-    )
+    s3_endpoint: str | None = Field(None, description=S3_OPTIONS_HELP["s3_endpoint"])
 
     def remote(self) -> RemoteOptions:
         """Credentials and endpoint for an s3:// location (unset ones resolved as tensorizer does)."""

@@ -29,6 +29,15 @@ from ...errors import ConfigurationError
 #: Option names that hold credentials (in ``model_loader_extra_config`` and save options): never logged.
 CREDENTIAL_OPTIONS = frozenset({"s3_access_key_id", "s3_secret_access_key"})
 
+#: The S3 options' help, declared once: the option models' descriptions (``storage.options.S3Options``) and the
+#: light commands' ``--s3-*`` options (``cli.commands.remote_options``), which must not import pydantic.
+S3_OPTIONS_HELP = {
+    "s3_access_key_id": "S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",
+    "s3_secret_access_key": "S3 secret access key (else ~/.s3cfg, else $AWS_SECRET_ACCESS_KEY; prefer those: "
+    "a command line is visible to other users).",
+    "s3_endpoint": "S3 endpoint URL (else host_base in ~/.s3cfg, else $AWS_ENDPOINT_URL).",
+}
+
 #: A read fails (``RemoteStalledError``, never retried) when the server sends no byte for this many seconds:
 #: curl's ``--speed-limit 1 --speed-time`` (whole seconds) for streams and ranged reads, botocore's
 #: ``read_timeout`` for HEADs and listings. curl averages its speed over the last 5 seconds, so a stream that
