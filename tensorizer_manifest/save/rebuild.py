@@ -176,6 +176,13 @@ class _Layer:
     before: Any = None
 
 
+def materialized(meta: torch.Tensor) -> torch.Tensor:
+    """A meta tensor made real and zeroed: vLLM's ``materialize_meta_tensor`` leaves it uninitialized, so a region
+    no weight loader writes (padding: vocabulary rows, experts, packed columns) would hold whatever the allocator
+    had, and the save would record it (vLLM #50523). Zeros are what a fresh page holds, the same on every run."""
+    return _vllm_compat.materialize_meta_tensor(meta).zero_()
+
+
 def _rebind(tensor: torch.Tensor, old: object, new: object) -> torch.Tensor:
     """Point the methods a tensor carries (its ``weight_loader``) from module ``old`` to ``new``."""
     for key, value in list(tensor.__dict__.items()):
@@ -302,7 +309,7 @@ class Rebuilder:
                 layer.metas[name] = (store, meta)
                 if id(meta) not in self._real:
                     with self.device:
-                        tensor = _vllm_compat.materialize_meta_tensor(meta)
+                        tensor = materialized(meta)
                     if name not in loaded_names:  # never in the source: it holds what the engine made at init
                         kept = live_tensors.get(name)
                         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:

@@ -356,3 +356,23 @@ def test_a_layer_of_another_kind_whose_step_hides_a_weight_is_refused():
     deleted = torch.nn.Linear(4, 3)
     del deleted.bias  # deleted, not hidden: nothing in the engine computes with it
     _compare(deleted, rebuilt)
+
+
+def test_a_materialized_tensor_holds_zeros_where_no_loader_writes(monkeypatch):
+    """vLLM's ``materialize_meta_tensor`` gives ``empty_strided``: padding no weight loader writes would hold the
+    allocator's leftovers (here: sevens, standing in for them) and be saved. The rebuild zeroes it first, keeping
+    the tensor's class and attributes (its ``weight_loader``)."""
+    from tensorizer_manifest import _vllm_compat
+
+    def leftovers(meta):
+        tensor = torch.full(meta.shape, 7.0, dtype=meta.dtype)
+        tensor.__class__ = meta.__class__
+        tensor.__dict__ = meta.__dict__.copy()
+        return tensor
+
+    meta = torch.nn.Parameter(torch.empty(4, 3, device="meta"), requires_grad=False)
+    meta.weight_loader = "the loader"
+    monkeypatch.setattr(_vllm_compat, "materialize_meta_tensor", leftovers)
+    real = rebuild.materialized(meta)
+    assert type(real) is torch.nn.Parameter and real.weight_loader == "the loader"
+    assert real.shape == (4, 3) and not real.is_meta and torch.count_nonzero(real) == 0
