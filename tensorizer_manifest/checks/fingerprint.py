@@ -12,14 +12,20 @@ field, because not every difference matters equally:
   raw layers run vLLM's own post-load step on the loading engine, so they
   tolerate a different kernel.
 - ``INFORMATIONAL`` fields are recorded for people and ``diff``, never refused.
+
+Some engine settings decide a rank's tensors as much as these fields do, and the manifest does not record them
+(vLLM 0.33's ``WeightCacheKey`` added them; 0.32 already has the settings): ``UNRECORDED_SETTINGS``. Until a
+format version records them, a checkpoint can only be saved at vLLM's default for each, so an engine away from
+the default is refused, at save always and at load under the same policy as the fields.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from .. import _vllm_compat
-from ..errors import CompatibilityError
+from ..errors import CompatibilityError, ConfigurationError
 from ..format.schema import REPLAY_NONE, Fingerprint, Manifest
 from ..restorers import RESTORERS
 
@@ -46,6 +52,62 @@ INFORMATIONAL = (
     "revision",
     "cpu_features",
 )
+
+
+class UnrecordedSetting(NamedTuple):
+    """An engine setting the manifest does not record: its policy (``EXACT`` or ``PROCESSED_ONLY``), vLLM's
+    default, why it matters, and how to read it from a ``VllmConfig`` (a release without it has its default)."""
+
+    policy: tuple[str, ...]
+    default: Any
+    why: str
+    read: Callable[[Any], Any]
+
+
+def _expert_placement(vllm_config: Any) -> str:
+    parallel = vllm_config.parallel_config
+    if not getattr(parallel, "enable_expert_parallel", False):
+        return "linear"  # without expert parallelism it places nothing
+    return getattr(parallel, "expert_placement_strategy", "linear")
+
+
+def _batch_invariant(vllm_config: Any) -> bool:
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
+
+
+def _config_overrides(vllm_config: Any) -> Any:
+    overrides = getattr(vllm_config.model_config, "hf_overrides", None) or {}
+    return dict(overrides) if isinstance(overrides, dict) else f"a function ({getattr(overrides, '__name__', '?')})"
+
+
+#: Saved at vLLM's default only (``refuse_unrecorded_settings``). The model's config itself is not here: the
+#: generation holds ``config.json`` by its hash, and a load checks the one vLLM read against it.
+UNRECORDED_SETTINGS: dict[str, UnrecordedSetting] = {
+    "hf_overrides": UnrecordedSetting(
+        EXACT, {}, "it changes the config the saved tensors were made from (0.33's key has its rope parameters: "
+        "the rotary caches are saved)", _config_overrides,
+    ),
+    "kv_cache_dtype_skip_layers": UnrecordedSetting(
+        EXACT, [], "which attention layers keep an unquantized KV cache, and so their scales",
+        lambda c: sorted(getattr(c.cache_config, "kv_cache_dtype_skip_layers", None) or []),
+    ),
+    "expert_placement_strategy": UnrecordedSetting(
+        EXACT, "linear", "which experts each expert-parallel rank holds", _expert_placement
+    ),
+    "enable_eplb": UnrecordedSetting(
+        EXACT, False, "expert load balancing moves experts between ranks",
+        lambda c: bool(getattr(c.parallel_config, "enable_eplb", False)),
+    ),
+    "linear_backend_per_quant": UnrecordedSetting(
+        PROCESSED_ONLY, {}, "the linear kernel per scheme, and so its processed layout",
+        lambda c: dict(getattr(getattr(c, "kernel_config", None), "linear_backend_per_quant", None) or {}),
+    ),
+    "VLLM_BATCH_INVARIANT": UnrecordedSetting(
+        PROCESSED_ONLY, False, "it overrides the linear and MoE kernel choice", _batch_invariant
+    ),
+}  # fmt: skip
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
 
@@ -91,6 +153,39 @@ def engine_fingerprint(vllm_config: Any) -> Fingerprint:
         revision=model_config.revision,
         cpu_features=_vllm_compat.cpu_features() if current_platform.is_cpu() else [],
     )
+
+
+def unrecorded_settings(vllm_config: Any) -> dict[str, Any]:
+    """The ``UNRECORDED_SETTINGS`` this engine has away from vLLM's default, with their values."""
+    current = {name: setting.read(vllm_config) for name, setting in UNRECORDED_SETTINGS.items()}
+    return {name: value for name, value in current.items() if value != UNRECORDED_SETTINGS[name].default}
+
+
+def refuse_unrecorded_settings(settings: dict[str, Any], manifest: Manifest | None, source: str) -> None:
+    """Refuse an engine whose ``unrecorded_settings`` a checkpoint cannot carry: any of them at save (``manifest``
+    None), and at load those its policy says matter for this checkpoint (a kernel setting only where a processed
+    layer depends on the kernel), since the checkpoint was saved at the defaults."""
+    if manifest is None:
+        if settings:
+            names = ", ".join(f"{name}={value!r} ({UNRECORDED_SETTINGS[name].why})" for name, value in settings.items())
+            raise ConfigurationError(
+                f"{source}: this engine runs with {names}, which a manifest does not record yet, so a checkpoint "
+                "saved with it would load wrong elsewhere; save with vLLM's default for it"
+            )
+        return
+    kernels_matter = needs_same_kernels(manifest)
+    differing = [
+        (name, "vLLM's default", value)
+        for name, value in settings.items()
+        if UNRECORDED_SETTINGS[name].policy is EXACT or kernels_matter
+    ]
+    if differing:
+        lines = "; ".join(f"{name}: saved at vLLM's default, this engine {value!r}" for name, _, value in differing)
+        raise CompatibilityError(
+            f"{source}: this checkpoint was saved at vLLM's default for a setting this engine changes ({lines}). "
+            "Start vLLM without it.",
+            differing,
+        )
 
 
 def _opt_str(value: Any) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -32,6 +32,9 @@ class BadInput:
     error: str
     gist: str
     scope: str = "offline"
+    engine: dict = field(default_factory=dict)
+    """Engine arguments the loading engine is started with (scope "model"): a checkpoint fine as it is, refused
+    by an engine set otherwise."""
 
     def __str__(self) -> str:
         return self.name
@@ -384,6 +387,14 @@ BAD_INPUTS: list[BadInput] = [
 #: Only the model vLLM builds can show these (``validate --engine`` and the loader); they need a
 #: checkpoint saved by real vLLM, with attention layers and (for the last) a raw layer.
 MODEL_BAD_INPUTS: list[BadInput] = [
+    BadInput(
+        "engine-keeps-a-layers-kv-cache-unquantized",
+        lambda d: None,
+        "CompatibilityError",
+        "kv_cache_dtype_skip_layers: saved at vLLM's default",
+        "model",
+        engine={"kv_cache_dtype_skip_layers": ["0"]},
+    ),
     BadInput(
         "renamed-kernel",
         _edit(

@@ -41,6 +41,7 @@ def main() -> None:
                 model=str(d),
                 load_format="tensorizer_manifest",
                 **engine_options(),
+                **case.engine,
             )
             out = llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             entry["tokens"] = list(out[0].outputs[0].token_ids)
