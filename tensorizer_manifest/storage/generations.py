@@ -172,12 +172,24 @@ class _Store:
 
     def commit(self, generation: Generation) -> Pointer:
         """Write ``generation``'s document, then make it current: only if the pointer still names its parent
-        (``Generation.parent``; None: there was none), else ``ConcurrentWriteError`` and the pointer stays."""
+        (``Generation.parent``; None: there was none), else ``ConcurrentWriteError`` and the pointer stays.
+
+        Safe to try again after a failure (a pointer write that timed out): the document an earlier try wrote is
+        accepted where its bytes are these, and a try that did commit is not committed twice."""
         if generation.seal is None:
             raise ValueError("a generation is sealed before it is committed (format.generation.seal_generation)")
         document = encode_generation(generation)
-        self.put(generation_document_path(generation.id), document)
+        path = generation_document_path(generation.id)
         pointer = pointer_to(generation.id, document)
+        if not self._create(path, document):  # an earlier try of this very commit wrote it, or another did
+            if self._read(path) != document:
+                raise IntegrityError(
+                    f"{self.where}/{path}: generation {generation.id} was written before with other contents (an "
+                    "earlier try committed it over another generation, and was refused); a generation is committed "
+                    "once: write the checkpoint again, which makes a new generation"
+                )
+            if self.current_generation_id() == generation.id:
+                return pointer  # that try committed: done
         _failpoints.pause("before-commit", generation.id)
         self._swap_pointer(encode_pointer(pointer), generation.parent)
         return pointer

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tensorizer_manifest.errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError
@@ -208,3 +209,24 @@ def test_gc_keeps_a_file_the_current_generation_shares_with_an_old_one(tmp_path)
 def test_gc_of_a_checkpoint_without_a_pointer_is_refused(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="format version 3"):
         LocalCheckpoint(tmp_path).plan_gc()
+
+
+def test_a_commit_tried_again_after_a_failure_commits_once_and_another_over_a_new_parent_is_refused(tmp_path):
+    """An upload whose pointer write failed (a timeout, a refusal) is tried again: the document it wrote is the
+    same bytes, so the commit goes on; a try that did commit is not committed twice. The same generation id
+    sealed over another parent (another document) is refused by name: a generation is committed once."""
+    store = LocalCheckpoint(tmp_path)
+    first = store.commit(_new(store, None)).generation
+    second = _new(store, first)
+    path = g.generation_document_path(second.id)
+    store.create(path, g.encode_generation(second))  # the earlier try got this far, then its pointer write failed
+    assert store.commit(second).generation == second.id and store.current_generation_id() == second.id
+    assert store.commit(second).generation == second.id  # that try had committed: nothing happens again
+    assert store.current() == second
+
+    third = _new(store, second.id)
+    store.commit(third)
+    over_another = g.seal_generation(msgspec.structs.replace(second, parent=third.id, seal=None))
+    with pytest.raises(IntegrityError, match=f"generation {second.id} was written before with other contents"):
+        store.commit(over_another)
+    assert store.current_generation_id() == third.id
