@@ -18,16 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import kind_param, run_script
 
+from tensorizer_manifest._vllm_compat import has_amx
+
 pytestmark = pytest.mark.e2e
 
 #: Kinds whose expensive layers save processed in a machine-specific form, and their restorer.
 MACHINE_SPECIFIC = {"qwen3-moe": "cpu_unquantized_moe", "gptq-w4": "cpu_wna16"}
-
-
-def _has_amx() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
 
 
 @pytest.fixture(scope="module", params=[kind_param(k) for k in MACHINE_SPECIFIC])
@@ -138,7 +134,7 @@ def test_without_fallbacks_the_other_machine_refuses_before_reading(scenarios, e
 
 
 @pytest.mark.skipif(
-    not _has_amx(),
+    not has_amx(),
     reason="loading as the other machine runs that machine's kernels: a CPU without AMX cannot run the AMX ones "
     "it would pick with the probe flipped (the other-form case above shows the fallback path on this CPU)",
 )
@@ -229,7 +225,7 @@ def test_add_form_with_other_engine_settings_is_refused_and_writes_nothing(loads
 
 
 @pytest.mark.skipif(
-    not _has_amx(),
+    not has_amx(),
     reason="adding the other machine's form runs that machine's kernels: a CPU without AMX cannot run the AMX ones "
     "it would pick with the probe flipped (the added-form case above shows add-form on this CPU)",
 )

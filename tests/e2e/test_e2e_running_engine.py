@@ -19,13 +19,14 @@ from __future__ import annotations
 import pytest
 from conftest import kind_param, run_script
 
+from tensorizer_manifest._vllm_compat import has_amx
+
 pytestmark = pytest.mark.e2e
 
 #: On AMX, vLLM's MLA step packs W_UK/W_UV on its impl and releases ``kv_b_proj.weight`` (another layer's weight);
 #: vLLM 0.32's own ``reload_weights`` then fails on that engine, before any save ("The size of tensor a (0) must
 #: match the size of tensor b (512)"): there is no reloaded engine to refuse.
 _RELOAD_FAILS_IN_VLLM = "The size of tensor a (0) must match"
-_HAS_AMX = bool(__import__("torch").cpu._is_amx_tile_supported())
 KINDS = [kind_param(kind) for kind in ("llama", "w8a8-int8", "w8a8-int8-static", "qwen3-moe", "deepseek-v2")]
 
 #: Kinds whose engine vLLM 0.32's own ``reload_weights`` leaves answering differently from one request to the
@@ -93,7 +94,7 @@ def test_a_weight_changed_in_the_engine_is_refused_and_the_engine_left_as_it_was
 
 
 def test_an_engine_updated_by_vllms_reload_weights_is_refused_and_left_as_it_was(result):
-    if result["kind"] == "deepseek-v2" and _HAS_AMX and _RELOAD_FAILS_IN_VLLM in str(result["reload_weights"]):
+    if result["kind"] == "deepseek-v2" and has_amx() and _RELOAD_FAILS_IN_VLLM in str(result["reload_weights"]):
         pytest.skip(f"vLLM's own reload_weights fails on an MLA engine on AMX: {result['reload_weights'][0]}")
     assert result["reload_weights"] is None, result["reload_weights"]
     message = _refused(result, "reload-weights", "NotReproducibleError")

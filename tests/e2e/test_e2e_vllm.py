@@ -14,6 +14,8 @@ import pytest
 from conftest import kind_param, needs_fp8_kv, run_script
 from helpers.checkpoints import manifest_file
 
+from tensorizer_manifest._vllm_compat import has_amx
+
 pytestmark = pytest.mark.e2e
 
 
@@ -83,12 +85,6 @@ def test_w8a8_int8_linear_layers_are_raw(scenarios, kind):
     assert sorted(counts) == sorted(f"quant_method:{p}" for p in linear)
 
 
-def _has_amx() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
 def test_torch_fallback_round_trips_token_exact_on_any_cpu(scenarios):
     result = scenarios.e2e("llama", "--fallback")
     assert result["manifest_tokens"] == result["reference_tokens"]
@@ -97,7 +93,7 @@ def test_torch_fallback_round_trips_token_exact_on_any_cpu(scenarios):
 
 
 @pytest.mark.skipif(
-    _has_amx(),
+    has_amx(),
     reason="this CPU has AMX: vLLM packs small linear weights with its SGL kernel even with oneDNN off "
     "(check_cpu_sgl_kernel), so the tiny model's linear layers cannot save processed here",
 )
@@ -175,7 +171,7 @@ def test_a_portable_checkpoint_with_kv_cache_scales_loads_token_exact(scenarios,
 
 
 @pytest.mark.skipif(
-    not _has_amx(),
+    not has_amx(),
     reason="generating as the other machine runs that machine's kernels: a CPU without AMX cannot run the AMX "
     "ones it would pick with the probe flipped (the --no-fallbacks refusal in test_e2e_fallbacks.py still runs here)",
 )
