@@ -299,8 +299,9 @@ def test_the_total_retry_time_bounds_the_attempts(saved, proxy, monkeypatch):
     began = time.monotonic()
     with pytest.raises(RemoteThrottledError) as exc:
         f.size()
-    # No retry starts after RETRY_TOTAL_S; the slack is one request and making the client on a busy machine.
-    assert time.monotonic() - began <= 1.5 + 3.0
+    # No retry starts after RETRY_TOTAL_S. The attempts (below) show it; the time only rules out the 100 attempts
+    # (at least 20 s of waits), with room for a machine busy with other tests (4.7 s seen under three workers).
+    assert time.monotonic() - began <= 1.5 + 10.0
     attempts = len(proxy.matching("HEAD"))
     assert 2 <= attempts <= 8 and f"{attempts} attempts" in str(exc.value)  # 1.5 s of 0.1-0.4 s waits, not 100
 
