@@ -156,10 +156,12 @@ def freeze_the_imported_heap() -> None:
     become no-ops, so that nothing moves the imports back; what a scenario makes is collected as before. A test
     harness's setting only: the package never touches the collector.
     """
+    import atexit
     import gc
 
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit, as before: the last collection frees them (extensions check for leaks)
     gc.freeze = gc.unfreeze = lambda: None  # type: ignore[assignment]
 
 
