@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -240,6 +241,19 @@ def _is_decoder_linear(name: str) -> bool:
     return len(parts) == 3 and parts[2] == "weight" and parts[1] in _DECODER_LINEARS
 
 
+def _with_linears_quantized(state: dict, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict:
+    """``state`` with each decoder linear's ``weight`` replaced by the tensors ``quantize(weight)`` gives, named
+    relative to the linear (``weight``, ``weight_scale``, ``qweight``...), in its order; every other tensor kept."""
+    out = {}
+    for name, tensor in state.items():
+        if _is_decoder_linear(name):
+            prefix = name[: -len("weight")]
+            out.update({prefix + key: value for key, value in quantize(tensor).items()})
+        else:
+            out[name] = tensor
+    return out
+
+
 def _quantize_w8a8(state: dict, input_scales: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
     """Per-channel symmetric int8 weights for every decoder linear layer.
 
@@ -250,15 +264,12 @@ def _quantize_w8a8(state: dict, input_scales: dict[str, torch.Tensor] | None = N
     """
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if _is_decoder_linear(name):
-            w = tensor.float()
-            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
-            out[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-            out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32)
-        else:
-            out[name] = tensor
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = weight.float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+        return {"weight": torch.round(w / scale).clamp(-127, 127).to(torch.int8), "weight_scale": scale.float()}
+
+    out = _with_linears_quantized(state, quantize)
     activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     if input_scales is not None:
         out.update(input_scales)
@@ -403,17 +414,14 @@ def _quantize_fp8_block(state: dict, ignored: tuple[str, ...] = ()) -> tuple[dic
     ``ignored`` (``modules_to_not_convert``) names the modules left unquantized, as MoE router gates are."""
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if not _is_decoder_linear(name):
-            out[name] = tensor
-            continue
-        n, k = tensor.shape
-        blocks = tensor.float().reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = weight.shape
+        blocks = weight.float().reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
         scale = (blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp(min=1e-12)
         quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        out[name] = quantized.reshape(n, k).to(torch.float8_e4m3fn)
-        out[name[: -len("weight")] + "weight_scale_inv"] = scale.contiguous()
+        return {"weight": quantized.reshape(n, k).to(torch.float8_e4m3fn), "weight_scale_inv": scale.contiguous()}
+
+    out = _with_linears_quantized(state, quantize)
     quant_config = {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -430,16 +438,17 @@ def _quantize_fp8_tensor(state: dict) -> tuple[dict, dict]:
     ``weight`` and a float32 scalar ``weight_scale`` (tensor amax / 448). Activations: dynamic."""
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if not _is_decoder_linear(name):
-            out[name] = tensor
-            continue
-        weight = tensor.float()
-        scale = (weight.abs().amax() / FP8_E4M3_MAX).clamp(min=1e-12)
-        out[name] = (weight / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        out[name[: -len("weight")] + "weight_scale"] = scale.reshape(()).to(torch.float32)
-    return out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = weight.float()
+        scale = (w.abs().amax() / FP8_E4M3_MAX).clamp(min=1e-12)
+        fp8 = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": fp8, "weight_scale": scale.reshape(()).to(torch.float32)}
+
+    return _with_linears_quantized(state, quantize), {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }
 
 
 def _quantize_gptq(state: dict, group_size: int, bits: int = 4, act_order: bool = False) -> tuple[dict, dict]:
@@ -454,20 +463,19 @@ def _quantize_gptq(state: dict, group_size: int, bits: int = 4, act_order: bool 
     """
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if not _is_decoder_linear(name):
-            out[name] = tensor
-            continue
-        prefix = name[: -len("weight")]
-        k = tensor.shape[1]
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        k = weight.shape[1]
         order = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act_order else torch.arange(k)
-        codes, scales, zeros = quantize_int(tensor[:, order], group_size, True, torch.float16, bits)
+        codes, scales, zeros = quantize_int(weight[:, order], group_size, True, torch.float16, bits)
         position = torch.argsort(order)  # where each input column went in the quantization order
-        out[prefix + "qweight"] = pack_codes(codes[:, position].t(), dim=0, bits=bits)
-        out[prefix + "qzeros"] = pack_codes((zeros - 1).t(), dim=1, bits=bits)
-        out[prefix + "scales"] = scales.t().contiguous()
-        out[prefix + "g_idx"] = (position // (k if group_size == -1 else group_size)).to(torch.int32)
+        return {
+            "qweight": pack_codes(codes[:, position].t(), dim=0, bits=bits),
+            "qzeros": pack_codes((zeros - 1).t(), dim=1, bits=bits),
+            "scales": scales.t().contiguous(),
+            "g_idx": (position // (k if group_size == -1 else group_size)).to(torch.int32),
+        }
+
+    out = _with_linears_quantized(state, quantize)
     quant_config = {
         "quant_method": "gptq",
         "bits": bits,
@@ -493,16 +501,15 @@ def _quantize_awq(state: dict, group_size: int) -> tuple[dict, dict]:
     """
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if not _is_decoder_linear(name):
-            out[name] = tensor
-            continue
-        prefix = name[: -len("weight")]
-        codes, scales, zeros = quantize_int(tensor, group_size, symmetric=False, scale_dtype=torch.float16)
-        out[prefix + "qweight"] = pack_codes(codes.t(), dim=1, order=_AWQ_ORDER)
-        out[prefix + "qzeros"] = pack_codes(zeros.t(), dim=1, order=_AWQ_ORDER)
-        out[prefix + "scales"] = scales.t().contiguous()
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scales, zeros = quantize_int(weight, group_size, symmetric=False, scale_dtype=torch.float16)
+        return {
+            "qweight": pack_codes(codes.t(), dim=1, order=_AWQ_ORDER),
+            "qzeros": pack_codes(zeros.t(), dim=1, order=_AWQ_ORDER),
+            "scales": scales.t().contiguous(),
+        }
+
+    out = _with_linears_quantized(state, quantize)
     quant_config = {
         "quant_method": "awq",
         "bits": 4,
@@ -524,16 +531,15 @@ def _quantize_ct_w4a16(state: dict, group_size: int) -> tuple[dict, dict]:
     """
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        if not _is_decoder_linear(name):
-            out[name] = tensor
-            continue
-        prefix = name[: -len("weight")]
-        codes, scales, _ = quantize_int(tensor, group_size, symmetric=True, scale_dtype=torch.bfloat16)
-        out[prefix + "weight_packed"] = pack_codes(codes, dim=1)
-        out[prefix + "weight_scale"] = scales.contiguous()
-        out[prefix + "weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scales, _ = quantize_int(weight, group_size, symmetric=True, scale_dtype=torch.bfloat16)
+        return {
+            "weight_packed": pack_codes(codes, dim=1),
+            "weight_scale": scales.contiguous(),
+            "weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
+        }
+
+    out = _with_linears_quantized(state, quantize)
     quant_config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
