@@ -161,10 +161,11 @@ def unrecorded_settings(vllm_config: Any) -> dict[str, Any]:
     return {name: value for name, value in current.items() if value != UNRECORDED_SETTINGS[name].default}
 
 
-def refuse_unrecorded_settings(settings: dict[str, Any], manifest: Manifest | None, source: str) -> None:
+def refuse_unrecorded_settings(vllm_config: Any, manifest: Manifest | None, source: str) -> None:
     """Refuse an engine whose ``unrecorded_settings`` a checkpoint cannot carry: any of them at save (``manifest``
     None), and at load those its policy says matter for this checkpoint (a kernel setting only where a processed
     layer depends on the kernel), since the checkpoint was saved at the defaults."""
+    settings = unrecorded_settings(vllm_config)
     if manifest is None:
         if settings:
             names = ", ".join(f"{name}={value!r} ({UNRECORDED_SETTINGS[name].why})" for name, value in settings.items())

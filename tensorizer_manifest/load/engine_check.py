@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from .._constants import LOAD_FORMAT
-from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings, unrecorded_settings
+from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.report import Problem
 from ..errors import TensorizerManifestError
 from ..storage.checkpoint import read_manifest
@@ -57,7 +57,7 @@ def check_against_engine(
         try:
             fingerprint = engine_fingerprint(vllm_config)
             check_compatible(fp, fingerprint, manifest, str(manifest_path))
-            refuse_unrecorded_settings(unrecorded_settings(vllm_config), manifest, str(manifest_path))
+            refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config)
             check_model(choose_forms(manifest, model, fingerprint).manifest, model)  # as the loader: one form a layer

@@ -160,6 +160,20 @@ class _Store:
         """Create ``relative`` with ``data`` only if no file has that name; False: one had (left as it was)."""
         return self._create(relative, data)
 
+    def create_again(self, relative: str, data: bytes, generation_id: str) -> bool:
+        """``create`` for a write that may be a try again after a failure: True when this call created the file,
+        False when an earlier try had, with these very bytes; other bytes there are an ``IntegrityError`` (the
+        generation's id was used by another write)."""
+        if self.create(relative, data):
+            return True
+        if self._read(relative) != data:
+            raise IntegrityError(
+                f"{self.where}/{relative}: generation {generation_id} was written before with other contents (an "
+                "earlier try committed it over another generation, and was refused); a generation is committed "
+                "once: write the checkpoint again, which makes a new generation"
+            )
+        return False
+
     def put(self, relative: str, data: bytes) -> FileRef:
         """Create ``relative`` with ``data``, only if no file has that name (writers never replace a file a
         generation may name). Returns its ``FileRef``."""
@@ -181,13 +195,7 @@ class _Store:
         document = encode_generation(generation)
         path = generation_document_path(generation.id)
         pointer = pointer_to(generation.id, document)
-        if not self._create(path, document):  # an earlier try of this very commit wrote it, or another did
-            if self._read(path) != document:
-                raise IntegrityError(
-                    f"{self.where}/{path}: generation {generation.id} was written before with other contents (an "
-                    "earlier try committed it over another generation, and was refused); a generation is committed "
-                    "once: write the checkpoint again, which makes a new generation"
-                )
+        if not self.create_again(path, document, generation.id):  # an earlier try of this commit wrote it
             if self.current_generation_id() == generation.id:
                 return pointer  # that try committed: done
         _failpoints.pause("before-commit", generation.id)

@@ -145,9 +145,7 @@ def publish_to_s3(
         if path.stat().st_size >= SMALL_FILE_BYTES:
             store.upload(relative, path)  # under this generation's id: no other writer uses the key
             continue
-        data = path.read_bytes()
-        if not store.create(relative, data) and target.read_bytes(SMALL_FILE_BYTES) != data:  # an earlier try's
-            raise IntegrityError(f"{target}: holds other bytes than {path}; this generation id was used twice")
+        store.create_again(relative, path.read_bytes(), staged.id)  # there already: an earlier try's, the same
     store.commit(generation)
     try:
         refresh_remote_top_level(store)

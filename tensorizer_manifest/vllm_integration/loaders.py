@@ -19,7 +19,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .. import _failpoints, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
-from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings, unrecorded_settings
+from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.generation_files import check_generation
 from ..checks.seal import unsealed_warning
 from ..checks.validate import open_checked_forms
@@ -326,7 +326,7 @@ class ManifestModelLoader(BaseModelLoader):
             if unsealed:
                 logger.warning("%s: %s", manifest_path, unsealed)
             check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
-            refuse_unrecorded_settings(unrecorded_settings(vllm_config), manifest, str(manifest_path))
+            refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))
             clock.lap("check_files")
             model, summary = self._restore_and_replay(
                 vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
@@ -420,7 +420,7 @@ class CaptureModelLoader(DefaultModelLoader):
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         fingerprint = engine_fingerprint(vllm_config)
-        refuse_unrecorded_settings(unrecorded_settings(vllm_config), None, str(model_config.model))
+        refuse_unrecorded_settings(vllm_config, None, str(model_config.model))
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_step) -> None:

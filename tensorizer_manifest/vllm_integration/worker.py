@@ -13,7 +13,7 @@ import torch
 
 from .. import _vllm_compat
 from .._constants import LOAD_FORMAT, SPILL_DIR_ENV
-from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings, unrecorded_settings
+from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, TensorizerManifestError
 from ..format.generation import Layout
 from ..format.schema import MANIFEST_SUFFIX
@@ -223,7 +223,7 @@ class ManifestWorkerExtension:
 
         vllm_config = self.vllm_config
         fingerprint = engine_fingerprint(vllm_config)
-        refuse_unrecorded_settings(unrecorded_settings(vllm_config), None, output_dir)
+        refuse_unrecorded_settings(vllm_config, None, output_dir)
         policy = CapturePolicy(
             portable=portable,
             allow_unverified=allow_unverified,

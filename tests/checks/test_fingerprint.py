@@ -94,8 +94,8 @@ def test_a_setting_the_manifest_does_not_record_is_refused_at_save_and_at_load(m
     from tensorizer_manifest.checks.fingerprint import refuse_unrecorded_settings, unrecorded_settings
     from tensorizer_manifest.errors import CompatibilityError, ConfigurationError
 
-    skipping = unrecorded_settings(_engine(cache_config__kv_cache_dtype_skip_layers=["0", "sliding_window"]))
-    assert skipping == {"kv_cache_dtype_skip_layers": ["0", "sliding_window"]}
+    skipping = _engine(cache_config__kv_cache_dtype_skip_layers=["0", "sliding_window"])
+    assert unrecorded_settings(skipping) == {"kv_cache_dtype_skip_layers": ["0", "sliding_window"]}
     with pytest.raises(ConfigurationError, match=r"kv_cache_dtype_skip_layers=\['0', 'sliding_window'\]"):
         refuse_unrecorded_settings(skipping, None, "out")
     with pytest.raises(CompatibilityError, match="saved at vLLM's default") as refused:
@@ -103,8 +103,8 @@ def test_a_setting_the_manifest_does_not_record_is_refused_at_save_and_at_load(m
     assert refused.value.differences == [("kv_cache_dtype_skip_layers", "vLLM's default", ["0", "sliding_window"])]
 
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    kernels = unrecorded_settings(_engine(kernel_config__linear_backend_per_quant={"int8_w8a8": "torch"}))
-    assert set(kernels) == {"linear_backend_per_quant", "VLLM_BATCH_INVARIANT"}
+    kernels = _engine(kernel_config__linear_backend_per_quant={"int8_w8a8": "torch"})
+    assert set(unrecorded_settings(kernels)) == {"linear_backend_per_quant", "VLLM_BATCH_INVARIANT"}
     refuse_unrecorded_settings(kernels, _manifest("cpu_unquantized_gemm"), "ckpt")  # no kernel-specific layer
     with pytest.raises(CompatibilityError, match="linear_backend_per_quant"):
         refuse_unrecorded_settings(kernels, _manifest("a_restorer_this_version_lacks"), "ckpt")
