@@ -20,15 +20,15 @@ MAX_MODEL_FILE_BYTES = 64 << 20
 
 def check_generation(
     generation: Generation,
-    manifest: Manifest,
+    encrypted: bool,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
     model_dir: str | Path,
 ) -> None:
-    """The generation's seal with the keys given (its rank ``manifest`` says whether the checkpoint is encrypted),
+    """The generation's seal with the keys given (``encrypted``: whether the tensor files it reads are),
     then every model file of the generation that ``model_dir`` holds, by content hash. A ``model_dir`` that is not a
     local directory (a Hugging Face id) is not compared: vLLM read those files from elsewhere."""
-    sealed = check_generation_seal(generation, manifest.tensor_file.encryption != "none", signing_key, encryption_key)
+    sealed = check_generation_seal(generation, encrypted, signing_key, encryption_key)
     if sealed is not None:
         kind, message = sealed
         raise kind(f"generation {generation.id}: {message}")

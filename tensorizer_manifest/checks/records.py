@@ -10,6 +10,7 @@ from ..errors import (
     ManifestVersionError,
     TensorizerManifestError,
 )
+from ..format.generation import BaseDocument
 from ..format.schema import (
     ALLOWED_PARAM_MODULES,
     DTYPE_ITEMSIZE,
@@ -161,6 +162,26 @@ def check_manifest(
             f"(version {required_format_version(manifest)}): it was edited by hand; re-save the checkpoint",
         )
     records.check_bound_to(manifest.tensor_file, "the manifest")
+    return problems, records.by_key
+
+
+def check_base(base: BaseDocument, where: FileLocation) -> tuple[list[Problem], dict[str, TensorRecord]]:
+    """A base document's records (each stored, none an alias, bound to its tensor file) and its consumers (every
+    name one the base holds); returns problems and the records by key."""
+    problems: list[Problem] = []
+
+    def problem(kind: type[TensorizerManifestError], message: str) -> None:
+        problems.append(Problem(kind, str(where), message))
+
+    records = _Records(problem)
+    for record in base.tensors:
+        if record.alias_of is not None or record.key != record.name:
+            problem(ManifestError, f"base tensor {record.name!r} must be stored under its own name")
+        records.add(record.name, record)
+    records.check_bound_to(base.tensor_file, "the base")
+    unknown = sorted(set(base.consumers) - set(records.by_name))
+    if unknown:
+        problem(ManifestError, f"the base names consumers of tensors it does not hold: {', '.join(unknown[:5])}")
     return problems, records.by_key
 
 

@@ -38,7 +38,7 @@ from ..errors import (
     RemoteStorageError,
     TensorizerManifestError,
 )
-from ..format.generation import Generation
+from ..format.generation import BaseDocument, Generation
 from ..format.schema import (
     MANIFEST_SUFFIX,
     EncryptionKey,
@@ -62,7 +62,7 @@ from ..storage.remote import RemoteFile, RemoteOptions, as_remote, is_remote
 from ..storage.tensor_file import TensorFileReader
 from .fingerprint import settings_differences
 from .generation_files import generation_problems
-from .records import check_added_forms, check_manifest
+from .records import check_added_forms, check_base, check_manifest
 from .report import Problem, ValidationReport
 from .seal import check_encryption, seal_needs_encryption_key, unsealed_warning
 from .tensor_files import check_before_parsing, check_hashes, check_index, check_tensor_file
@@ -188,6 +188,32 @@ def open_checked(manifest: Manifest, manifest_path: FileLocation, **options: Any
     """
     with open_checked_forms(manifest, manifest_path, **options) as files:
         yield files.main
+
+
+@contextmanager
+def open_checked_base(
+    base: BaseDocument,
+    document: FileLocation,
+    tensor_path: FileLocation,
+    *,
+    encryption_key: EncryptionKey | None = None,
+    device: str = "cpu",
+    num_readers: int | None = None,
+) -> Iterator[TensorFileReader]:
+    """A base's tensor file, checked as a form's is (its records, the size, prefix, head hash and index) and open
+    for reading; its document's bytes were checked against the generation (``checkpoint.load_base``)."""
+    problems, by_key = check_base(base, document)
+    ValidationReport(document, None, problems=tuple(problems)).raise_for_problems()
+    with _open_one(
+        document,
+        base.tensor_file,
+        tensor_path,
+        by_key,
+        encryption_key=encryption_key,
+        device=device,
+        num_readers=num_readers,
+    ) as reader:
+        yield reader
 
 
 @contextmanager

@@ -545,6 +545,7 @@ def _save_options() -> type:
         "portable",
         "allow_unverified",
         "fallbacks",
+        "base",
         Spelled("signing_key_file", type=_PATH),
         "allow_unconditional_writes",
         "format_version",
@@ -593,6 +594,12 @@ def save(
                 f"  {rank['fallback_layers']} layers in a machine- or kernel-specific form keep a raw fallback "
                 f"({rank['fallback_bytes']:,} bytes; --no-fallbacks leaves it out)"
             )
+    base = result.ranks[0].get("base") if result.ranks else None
+    if base is not None:
+        console().print(
+            f"wrote the base: {base['tensors']} source tensors ({base['bytes']:,} bytes), which vLLM's own weight "
+            "loaders shard at any tensor- or pipeline-parallel layout"
+        )
     generation = result.ranks[0].get("generation") if result.ranks else None
     if generation is not None:
         console().print(f"committed generation {generation}, with {', '.join(result.copied_files) or 'no model files'}")

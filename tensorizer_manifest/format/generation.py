@@ -29,6 +29,8 @@ from .schema import (
     SealMode,
     SigningKey,
     Size,
+    TensorFileRef,
+    TensorRecord,
     blake3_hex,
     seal_mode,
     sealed_hash_of,
@@ -111,6 +113,40 @@ class BaseRef(_Struct3, kw_only=True):
 
     mode: BaseMode
     document: FileRef
+    tensor_files: list[InsidePath] = []
+    """Where the base's tensor files are (the document names them by file name; a later generation that keeps
+    the base names them in the folder of the generation that wrote them). Bound by the document's records."""
+
+
+BASE_DOCUMENT = "base.manifest.json"
+"""The base's document in its generation's folder."""
+
+
+class BaseDocument(_Struct3, kw_only=True):
+    """The layout-free base (#34): the source's tensors as vLLM's default loader reads them, under the names the
+    model's ``load_weights`` takes, and which module each one was observed to fill.
+
+    A loader whose layout, machine or vLLM fits no form set feeds a layer the tensors that ``consumers`` say it
+    took, through the model's own ``load_weights`` (vLLM shards them for its rank), then runs vLLM's post-load
+    step on it once. Nothing here depends on the parallel layout or on vLLM's internal names."""
+
+    format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]
+    observed: Layout
+    """The layout of the engine whose weight loaders were watched (module paths do not depend on it)."""
+    tensor_file: TensorFileRef
+    """The base's tensor file, checked as a form's is (size, prefix, head hash, index, records' digest)."""
+    tensors: list[TensorRecord]
+    """One per source tensor, in the order vLLM's loader read them: ``key`` is the source's name."""
+    consumers: dict[str, list[str]] = {}
+    """Source name -> the module paths whose parameters vLLM's weight loaders filled from it; a name that is not
+    here filled none (a rotary table the model recomputes, a tied head)."""
+    loaded: dict[str, list[str]] = {}
+    """Module path -> the parameters vLLM's weight loaders filled at the save: a load from the base must fill
+    them all again, or it is refused."""
+
+    def needed_by(self, modules: set[str]) -> list[TensorRecord]:
+        """The records of the source tensors that fill any of ``modules``, in file order."""
+        return [t for t in self.tensors if any(path in modules for path in self.consumers.get(t.name, ()))]
 
 
 class CompileFile(_Struct3, kw_only=True):
@@ -155,7 +191,7 @@ class Generation(_Struct3, kw_only=True):
         """Every file this generation names (its own document aside), in document order."""
         paths = [m.file.path for m in self.model_files]
         if self.base is not None:
-            paths.append(self.base.document.path)
+            paths += [self.base.document.path, *self.base.tensor_files]
         paths += [path for s in self.form_sets for r in s.ranks for path in (r.manifest.path, *r.tensor_files)]
         paths += [c.archive.path for c in self.compile_forms]
         return paths
@@ -189,6 +225,7 @@ def generation_dir(generation_id: str) -> str:
 _encoder = msgspec.json.Encoder()
 _pointer_decoder = msgspec.json.Decoder(Pointer)
 _generation_decoder = msgspec.json.Decoder(Generation)
+_base_decoder = msgspec.json.Decoder(BaseDocument)
 
 
 class _Version(msgspec.Struct, gc=False):
@@ -228,6 +265,16 @@ def seal_generation(
 def encode_generation(generation: Generation) -> bytes:
     """Pretty JSON, as manifests are written: read by people as well as machines."""
     return msgspec.json.format(_encoder.encode(generation), indent=1) + b"\n"
+
+
+def encode_base(base: BaseDocument) -> bytes:
+    """Compact JSON: a base names every source tensor, and no person reads it whole (``inspect`` does)."""
+    return _encoder.encode(base) + b"\n"
+
+
+def decode_base(data: bytes, source: str = "base") -> BaseDocument:
+    """Decode a base document; failures as ``decode_pointer``'s."""
+    return _decode(_base_decoder, data, source, "base document")
 
 
 def encode_pointer(pointer: Pointer, compact: bool = False) -> bytes:
@@ -314,6 +361,6 @@ def is_generation_id(text: str) -> bool:
 
 
 def json_schema() -> dict:
-    """The JSON Schema of the version-3 documents: the pointer and the generation (``$defs`` hold both)."""
-    (pointer, generation), components = msgspec.json.schema_components([Pointer, Generation])
-    return {"anyOf": [pointer, generation], "$defs": components}
+    """The JSON Schema of the version-3 documents: the pointer, the generation and the base (``$defs`` hold them)."""
+    (pointer, generation, base), components = msgspec.json.schema_components([Pointer, Generation, BaseDocument])
+    return {"anyOf": [pointer, generation, base], "$defs": components}

@@ -10,7 +10,7 @@ otherwise its pre-processing tensors are kept and it is saved ``raw``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ..model.layers import (
 )
 from ..restorers import Restorer, find_restorer
 from ..storage.spill import SpillFile
+
+if TYPE_CHECKING:
+    from ..model.sources import ObservedSource
 
 
 @dataclass
@@ -96,6 +99,8 @@ class Capture:
     stem: str = "model"
     spill: SpillFile | None = None
     """Holds raw layers' pre-step tensors (their slots' ``stored``) until ``close``."""
+    source: ObservedSource | None = None
+    """What vLLM's loader read and which modules it filled, observed for a base (the first rank, ``base=True``)."""
 
     def close(self) -> None:
         """Release the pre-step copies; the capture cannot be written after this."""

@@ -130,6 +130,16 @@ class SaveOptions(S3Options):
         ),
     )
 
+    base: Literal["inside", "none"] = Field(
+        "none",
+        description=(
+            "inside: write the layout-free base too (the source's tensors as vLLM's loader reads them, with the "
+            "modules each one fills): the checkpoint then loads at any tensor- or pipeline-parallel layout, "
+            "through vLLM's own weight loaders where no saved form fits (format version 3; a save at "
+            "pipeline_parallel_size=1). none: the saved layout only."
+        ),
+    )
+
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
         """Validated options; a mistake is a ``ConfigurationError`` naming the option (never its value)."""
@@ -252,6 +262,7 @@ def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
             "portable": options.portable,
             "allow_unverified": options.allow_unverified,
             "fallbacks": options.fallbacks,
+            "base": options.base == "inside",
         },
     )
     kwargs.update(options.engine_args)
@@ -276,6 +287,8 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     options, else ``~/.s3cfg``, else ``AWS_*`` variables).
     """
     opts = SaveOptions.parse(options)
+    if opts.base == "inside" and opts.format_version != 3:
+        raise ConfigurationError("base='inside' needs format_version=3: a base is a file of a generation")
     if is_remote(str(out)):
         remote = opts.remote()
         target = RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts

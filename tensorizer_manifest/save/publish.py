@@ -17,6 +17,8 @@ from ..errors import CheckpointNotFoundError, IntegrityError, TensorizerManifest
 from ..format.generation import (
     GENERATIONS_FORMAT_VERSION,
     POINTER_NAME,
+    BaseDocument,
+    BaseRef,
     FileRef,
     FormSet,
     Generation,
@@ -96,6 +98,16 @@ def rank_entry(publication: Publication, stem: str, keeps: dict[str, str] | None
     )
 
 
+def base_entry(publication: Publication, document_name: str, document: BaseDocument) -> BaseRef:
+    """The base written into the publication's folder (``save.base.write_base``), by its document's bytes."""
+    data = (publication.folder / document_name).read_bytes()
+    return BaseRef(
+        mode="inside",
+        document=FileRef(path=publication.relative(document_name), size=len(data), hash=blake3_hex(data)),
+        tensor_files=[publication.relative(document.tensor_file.path)],
+    )
+
+
 def copy_model_files(publication: Publication, source: Path) -> list[ModelFile]:
     """The source's config, tokenizer and generation files, copied into the generation's folder (never
     downloaded), with their hashes: what vLLM reads from its ``model`` directory belongs to the generation."""
@@ -131,6 +143,7 @@ def commit(
     made_by: MadeBy,
     form_sets: list[FormSet],
     model_files: list[ModelFile],
+    base: BaseRef | None = None,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> Generation:
@@ -143,6 +156,7 @@ def commit(
         producer=PRODUCER,
         made_by=made_by,
         model_files=model_files,
+        base=base,
         form_sets=form_sets,
     )
     generation = seal_generation(generation, signing_key, encryption_key)

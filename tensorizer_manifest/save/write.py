@@ -329,18 +329,34 @@ def _write_tensors(
     progress: ProgressCallback | None = None,
     written: Callable[[], None] | None = None,
 ) -> str:
-    """Write ``<stem>.<digest>.tensors`` (``written`` is called once its data is out), fill ``ref`` (name,
-    size, head and prefix hashes, encryption), and rename it into place. Returns its name."""
+    """``write_stream`` of the slots' tensors (a pre-step copy read back just before it is written)."""
+    nbytes = sum(_nbytes(slot) for _, slot in to_store)
+    return write_stream(
+        out_dir, stem, ref, stored_tensors(to_store), len(to_store), nbytes, encryption_key, progress, written
+    )
+
+
+def write_stream(
+    out_dir: Path,
+    stem: str,
+    ref: TensorFileRef,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    count: int,
+    nbytes: int,
+    encryption_key: EncryptionKey | None,
+    progress: ProgressCallback | None = None,
+    written: Callable[[], None] | None = None,
+) -> str:
+    """Write ``<stem>.<digest>.tensors`` from ``(key, tensor)`` pairs (``written`` is called once its data is out),
+    fill ``ref`` (name, size, head and prefix hashes, encryption), and rename it into place. Returns its name."""
     tensor_name = f"{stem}.{ref.digest.removeprefix('blake3:')[:16]}{TENSORS_SUFFIX}"
     ref.path = tensor_name
     if encryption_key is not None:
         ref.encryption = ENCRYPTION_TENSORIZER
-    counter = ProgressCounter(progress, len(to_store), sum(_nbytes(slot) for _, slot in to_store))
+    counter = ProgressCounter(progress, count, nbytes)
     tmp_tensors = out_dir / temporary_name(tensor_name)
     try:
-        write_tensor_file(
-            tmp_tensors, stored_tensors(to_store), encryption_key, on_written=lambda _, n: counter.advance(n)
-        )
+        write_tensor_file(tmp_tensors, tensors, encryption_key, on_written=lambda _, n: counter.advance(n))
         if written is not None:
             written()
         ref.size = tmp_tensors.stat().st_size

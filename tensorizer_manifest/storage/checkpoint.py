@@ -29,9 +29,11 @@ from ..format.generation import (
     GENERATION_DOCUMENT,
     GENERATIONS_DIR,
     POINTER_NAME,
+    BaseDocument,
     Generation,
     Pointer,
     RankRef,
+    decode_base,
     decode_generation,
     decode_pointer,
     generation_named,
@@ -433,6 +435,38 @@ def _load_rank_manifest(
             "hand); save the checkpoint again"
         )
     return decode_manifest(data, source=str(location)), location
+
+
+def has_rank(generation: Generation, stem: str) -> bool:
+    """Whether one of the generation's form sets has a manifest for this rank's layout and place."""
+    return any(rank.stem == stem for form_set in generation.form_sets for rank in form_set.ranks)
+
+
+def load_base(root: Path | RemoteDir, generation: Generation) -> tuple[BaseDocument, FileLocation, FileLocation]:
+    """The generation's base document, its bytes checked against the generation's record of them, where it is and
+    where its tensor file is (``ManifestError`` when the generation has no base)."""
+    if generation.base is None:
+        raise ManifestError(f"{root}: generation {generation.id} has no base")
+    ref = generation.base.document
+    location = root / ref.path
+    data = _read_bounded(location, "base document")
+    if data is None:
+        kind = RemoteNotFoundError if isinstance(location, RemoteFile) else CheckpointNotFoundError
+        raise kind(f"{location}: the base generation {generation.id} names is missing; save the checkpoint again")
+    if len(data) != ref.size or blake3_hex(data) != ref.hash:
+        raise IntegrityError(
+            f"{location}: its bytes are not the ones generation {generation.id} names (damaged, or replaced by "
+            "hand); save the checkpoint again"
+        )
+    base = decode_base(data, source=str(location))
+    name = base.tensor_file.path
+    placed = [path for path in generation.base.tensor_files if path.rpartition("/")[2] == name]
+    if len(placed) != 1 or "/" in name:
+        raise ManifestError(
+            f"{location}: its tensor file {name!r} is not one generation {generation.id} names; save the checkpoint "
+            "again"
+        )
+    return base, location, root / placed[0]
 
 
 def _placed_in_generation(manifest_path: FileLocation, name: str) -> FileLocation | None:

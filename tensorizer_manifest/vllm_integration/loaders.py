@@ -22,12 +22,14 @@ from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
 from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.generation_files import check_generation
 from ..checks.seal import unsealed_warning
-from ..checks.validate import open_checked_forms
+from ..checks.validate import open_checked_base, open_checked_forms
 from ..errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
-from ..format.generation import Generation, decode_pointer, encode_pointer
+from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
 from ..load import replay
+from ..load.base import load_from_base
 from ..load.forms import choose_forms
 from ..load.restore import check_model, restore_tensors
+from ..model.sources import SourceObserver
 from ..progress import terminal_progress
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, Recorder
 from ..storage.checkpoint import (
@@ -37,6 +39,8 @@ from ..storage.checkpoint import (
     checkpoint_root,
     checkpoint_stem,
     encryption_key_from,
+    has_rank,
+    load_base,
     load_generation,
     load_manifest,
     no_manifest_error,
@@ -179,6 +183,11 @@ class CaptureOptions(BaseModel):
     fallbacks: bool = Field(
         True, description="Keep raw tensors beside processed layers whose form is one machine's or one kernel's."
     )
+    base: bool = Field(
+        False,
+        description="Observe which source tensor fills which module, so that the save writes a layout-free base "
+        "(format version 3; the first rank reads the source again at the save).",
+    )
 
     @classmethod
     def from_load_config(cls, load_config: Any) -> CaptureOptions:
@@ -296,6 +305,10 @@ class ManifestModelLoader(BaseModelLoader):
         agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
+        if generation is not None and generation.base is not None and not has_rank(generation, stem):
+            return self._load_from_base(
+                vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock
+            )
         try:
             manifest, manifest_path = load_manifest(
                 root, stem, remote=options.remote(), generation=generation, follow_pointer=False
@@ -310,7 +323,9 @@ class ManifestModelLoader(BaseModelLoader):
         if generation is None:
             check_one_save(manifest, stem, checkpoint, options.remote())
         else:
-            check_generation(generation, manifest, signing_key, encryption_key, model_config.model)
+            check_generation(
+                generation, manifest.tensor_file.encryption != "none", signing_key, encryption_key, model_config.model
+            )
         device_config = vllm_config.device_config
         load_device = device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
@@ -336,6 +351,65 @@ class ManifestModelLoader(BaseModelLoader):
         setattr(model, REPORT_ATTR, summary)
         setattr(model, GENERATION_ATTR, generation)
         _log_load(manifest_path, summary)
+        return model.eval()
+
+    def _load_from_base(
+        self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock
+    ):
+        """No form set was made at this engine's layout: every layer from the generation's base (``load.base``)."""
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        if options.add_form:
+            raise ConfigurationError(
+                f"{root}: generation {generation.id} has no form set at this engine's layout, so it loads from its "
+                "base; add-form at a new layout is not built yet: load without add_form"
+            )
+        base, document, tensor_path = load_base(root, generation)
+        encrypted = base.tensor_file.encryption != "none"
+        check_generation(generation, encrypted, signing_key, encryption_key, model_config.model)
+        target_device = torch.device(
+            vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
+        )
+        with open_checked_base(
+            base,
+            document,
+            tensor_path,
+            encryption_key=encryption_key,
+            device=str(target_device),
+            num_readers=options.num_readers,
+        ) as reader:
+            clock.lap("check_files")
+            with set_default_torch_dtype(model_config.dtype):
+                with target_device:
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                clock.lap("build_model")
+                report = load_from_base(
+                    model, base, reader, model_config, target_device, verify_hashes=options.verify_hashes
+                )
+            clock.lap("read_and_post_load")
+        parallel = vllm_config.parallel_config
+        layouts = ", ".join(
+            f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets
+        )  # fmt: skip
+        summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted}
+        setattr(model, REPORT_ATTR, summary)
+        setattr(model, GENERATION_ATTR, generation)
+        logger.info(
+            "%s: generation %s has forms at %s, none at this engine's tensor_parallel_size=%d, "
+            "pipeline_parallel_size=%d: loaded from its base through vLLM's weight loaders (%d of %d base tensors, "
+            "%.1f MB), vLLM's post-load step ran on %d layer(s); %.2f s",
+            root,
+            generation.id,
+            layouts or "no layout",
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            report["tensors_read"],
+            report["tensors_in_base"],
+            report["bytes_read"] / 1e6,
+            len(report["post_load"]),
+            sum(clock.laps.values()),
+        )
         return model.eval()
 
     def _restore_and_replay(
@@ -415,12 +489,25 @@ class CaptureModelLoader(DefaultModelLoader):
         from vllm.config import replace
 
         self.options = CaptureOptions.from_load_config(load_config)
+        self.observer: SourceObserver | None = None
         # The default loader picks weight files by load format; read them as "auto" does.
         super().__init__(replace(load_config, load_format="auto", model_loader_extra_config={}))
+
+    def get_all_weights(self, model_config, model):
+        weights = super().get_all_weights(model_config, model)
+        return weights if self.observer is None else self.observer.source(weights)
+
+    def load_weights(self, model, model_config) -> None:
+        if self.observer is None:
+            return super().load_weights(model, model_config)
+        with self.observer.watching(model):
+            return super().load_weights(model, model_config)
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         fingerprint = engine_fingerprint(vllm_config)
         refuse_unrecorded_settings(vllm_config, None, str(model_config.model))
+        if self.options.base:
+            self.observer = _base_observer(vllm_config)
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_step) -> None:
@@ -455,5 +542,21 @@ class CaptureModelLoader(DefaultModelLoader):
             )
         capture = captured[-1]
         capture.stem = rank_stem(vllm_config)
+        capture.source = None if self.observer is None else self.observer.observed
         setattr(model, CAPTURE_ATTR, capture)
         return model
+
+
+def _base_observer(vllm_config) -> SourceObserver | None:
+    """The first rank's observer of the source (the others read the same tensors into the same modules); a
+    layout whose first rank does not see every module is refused, for now, before anything is loaded."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1 or getattr(parallel, "enable_expert_parallel", False):
+        raise ConfigurationError(
+            "a base is observed by a saving engine that holds every layer and every expert on its first rank: save "
+            "with pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at those "
+            "layouts through its base), or without a base"
+        )
+    if not first_rank():
+        return None
+    return SourceObserver(Layout(tp=parallel.tensor_parallel_size))

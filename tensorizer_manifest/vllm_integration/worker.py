@@ -19,6 +19,7 @@ from ..format.generation import Layout
 from ..format.schema import MANIFEST_SUFFIX
 from ..progress import terminal_progress
 from ..save import publish
+from ..save.base import source_weights, write_base
 from ..save.capture import Capture, CapturePolicy
 from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
 from ..storage.checkpoint import encryption_key_from, signing_key_from
@@ -160,7 +161,7 @@ class ManifestWorkerExtension:
         generation_id = _vllm_compat.shared_generation_id()  # first: every rank is here, none has failed yet
         model = self._tm_model()
         capture = getattr(model, CAPTURE_ATTR, None)
-        written = None
+        written, base = None, None
         try:
             try:
                 signing_key = signing_key_from(signing_key_file)
@@ -180,6 +181,15 @@ class ManifestWorkerExtension:
                         progress=on_progress,
                         save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
                     )
+                if capture.source is not None and first_rank():  # the base: the source, read again and checked
+                    with terminal_progress("saving the base", enabled=progress) as on_progress:
+                        base = write_base(
+                            capture.source,
+                            source_weights(self.vllm_config, model),
+                            publication.folder,
+                            encryption_key=encryption_key,
+                            progress=on_progress,
+                        )
             finally:
                 all_written = _vllm_compat.every_rank_succeeded(written is not None)  # every rank votes
             if not all_written:
@@ -198,6 +208,7 @@ class ManifestWorkerExtension:
                     made_by="save",
                     form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
                     model_files=publish.copy_model_files(publication, source),
+                    base=None if base is None else publish.base_entry(publication, *base),
                     signing_key=signing_key,
                     encryption_key=encryption_key,
                 )
@@ -214,6 +225,7 @@ class ManifestWorkerExtension:
             **_save_summary(written, output_dir, capture.stem),
             "generation": generation_id,
             "manifest": str(publication.folder / (capture.stem + MANIFEST_SUFFIX)),
+            "base": None if base is None else {"tensors": len(base[1].tensors), "bytes": base[1].tensor_file.size},
         }
 
     def _tm_rebuilt_capture(
@@ -307,6 +319,7 @@ class ManifestWorkerExtension:
                 made_by="add-form",
                 form_sets=publish.with_new_manifests(publication, generation),
                 model_files=publish.carry_model_files(publication, generation),
+                base=generation.base,
                 signing_key=signing_key,
                 encryption_key=encryption_key,
             )

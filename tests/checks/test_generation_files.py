@@ -32,28 +32,28 @@ def test_the_generation_s_own_model_files_pass_and_another_save_s_are_named(tmp_
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text('{"v": 1}')
     generation = _generation(tmp_path)
-    check_generation(generation, MANIFEST, None, None, tmp_path)
+    check_generation(generation, False, None, None, tmp_path)
     (tmp_path / "tokenizer.json").write_text('{"v": 2}')  # another save's tokenizer
     with pytest.raises(IntegrityError, match="tokenizer.json: not the tokenizer.json of the checkpoint's generation"):
-        check_generation(generation, MANIFEST, None, None, tmp_path)
-    check_generation(generation, MANIFEST, None, None, "org/a-hub-id")  # not a local directory: nothing to compare
+        check_generation(generation, False, None, None, tmp_path)
+    check_generation(generation, False, None, None, "org/a-hub-id")  # not a local directory: nothing to compare
 
 
 def test_the_generation_s_seal_is_checked_with_the_keys(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     key = SigningKey(b"k" * 32)
     sealed = _generation(tmp_path, key)
-    check_generation(sealed, MANIFEST, key, None, tmp_path)
+    check_generation(sealed, False, key, None, tmp_path)
     with pytest.raises(ConfigurationError, match="generation document is sealed with a signing key"):
-        check_generation(sealed, MANIFEST, None, None, tmp_path)
+        check_generation(sealed, False, None, None, tmp_path)
     with pytest.raises(IntegrityError, match="generation document was modified"):
-        check_generation(sealed, MANIFEST, SigningKey(b"o" * 32), None, tmp_path)
+        check_generation(sealed, False, SigningKey(b"o" * 32), None, tmp_path)
     edited = msgspec.structs.replace(sealed, made_by="migrate")
     with pytest.raises(IntegrityError, match="was modified"):
-        check_generation(edited, MANIFEST, key, None, tmp_path)
+        check_generation(edited, False, key, None, tmp_path)
     unsealed = msgspec.structs.replace(sealed, seal=None)
     with pytest.raises(IntegrityError, match="not sealed"):
-        check_generation(unsealed, MANIFEST, None, None, tmp_path)
+        check_generation(unsealed, False, None, None, tmp_path)
 
 
 def test_validate_reports_a_generation_s_damaged_model_file_and_warns_of_a_stale_copy_at_the_top(tmp_path):

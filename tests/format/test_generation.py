@@ -13,7 +13,7 @@ import pytest
 
 from tensorizer_manifest.errors import ManifestError, ManifestVersionError
 from tensorizer_manifest.format import generation as g
-from tensorizer_manifest.format.schema import Fingerprint, SigningKey
+from tensorizer_manifest.format.schema import Fingerprint, SigningKey, TensorFileRef, TensorRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 ID1 = "20261203T081500Z-" + "1" * 32
@@ -77,7 +77,7 @@ def test_a_generation_with_every_part_round_trips():
     base = g.FileRef(path=f"generations/{ID2}/base.manifest.json", size=3, hash=HASH)
     rank = g.RankRef(stem="model-tp0-of-2", manifest=ref)
     generation = _generation(
-        base=g.BaseRef(mode="inside", document=base),
+        base=g.BaseRef(mode="inside", document=base, tensor_files=[f"generations/{ID1}/base.0123.tensors"]),
         form_sets=[g.FormSet(layout=g.Layout(tp=2), fingerprint=fingerprint, ranks=[rank])],
         compile_forms=[
             g.CompileForm(
@@ -91,11 +91,33 @@ def test_a_generation_with_every_part_round_trips():
     assert decoded == generation
     assert decoded.named_paths() == [
         f"generations/{ID2}/base.manifest.json",
+        f"generations/{ID1}/base.0123.tensors",  # kept from the generation that wrote it
         f"generations/{ID2}/model-tp0-of-2.manifest.json",
         f"generations/{ID2}/compile-avx512.bin",
     ]
     assert '"tp":2' in msgspec.json.encode(decoded.form_sets[0].layout).decode()
     assert msgspec.json.encode(g.Layout()) == b"{}"
+
+
+def test_a_base_document_round_trips_and_names_what_each_module_takes():
+    def record(name: str) -> TensorRecord:
+        return TensorRecord(name=name, kind="parameter", dtype="bfloat16", shape=[2], stride=[1], nbytes=4,
+                            hash=HASH, key=name)  # fmt: skip
+
+    base = g.BaseDocument(
+        format_version=3,
+        observed=g.Layout(tp=2),
+        tensor_file=TensorFileRef(path="base.0123.tensors", size=10, tensor_count=3, digest=HASH),
+        tensors=[record("a.q"), record("a.k"), record("rotary.inv_freq")],
+        consumers={"a.q": ["a.qkv"], "a.k": ["a.qkv", "b.tied"]},
+        loaded={"a.qkv": ["weight"], "b.tied": ["weight"]},
+    )
+    assert g.decode_base(g.encode_base(base)) == base
+    assert [t.name for t in base.needed_by({"b.tied"})] == ["a.k"]
+    assert [t.name for t in base.needed_by({"a.qkv", "b.tied", "c"})] == ["a.q", "a.k"]
+    assert base.needed_by({"rotary"}) == []
+    with pytest.raises(ManifestError, match="base document"):
+        g.decode_base(b'{"format_version": 3}')
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,103 @@
+"""Loading layers from the layout-free base (#34): the source's tensors, through the model's own ``load_weights``.
+
+A generation whose form sets have no manifest for this engine's layout and rank (saved at TP=1, loaded at TP=2
+or at two pipeline stages) is loaded the way vLLM's default loader loads the source it came from: the model's
+``load_weights`` is handed the base's tensors, so vLLM's weight loaders shard, stack and place them for this
+rank, layout and release; then vLLM's post-load step runs once on each layer that has one. What differs from
+the default loader is what the checkpoint adds: only the tensors this rank's layers were observed to take are
+read (a pipeline stage reads its own layers'), each is checked against its content hash before any step runs,
+and every parameter those layers took at the save must be filled again, else the load is refused
+(``IntegrityError`` naming the layer and the parameter): nothing half-loaded is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError
+from ..format.generation import BaseDocument, Layout
+from ..model.layers import post_load_steps
+from ..model.sources import SourceObserver
+from ..storage.tensor_file import TensorFileReader
+from .replay import run_post_load_step
+
+
+def live_modules(model: torch.nn.Module) -> set[str]:
+    """The module paths this rank holds: a pipeline stage's other layers are vLLM's ``PPMissingLayer``s."""
+    return {path for path, module in model.named_modules() if type(module).__name__ != "PPMissingLayer"}
+
+
+def load_from_base(
+    model: torch.nn.Module,
+    base: BaseDocument,
+    reader: TensorFileReader,
+    model_config: Any,
+    target_device: torch.device,
+    *,
+    verify_hashes: bool = True,
+) -> dict[str, Any]:
+    """Fill this rank's layers from the base and run vLLM's post-load step once on each; returns the report."""
+    live = live_modules(model)
+    needed = base.needed_by(live)
+    expected = {record.name: record for record in needed}
+    observer = SourceObserver(Layout(), content_hashes=verify_hashes)
+    with observer.watching(model):
+        loaded = model.load_weights(observer.source(reader.stream(keys=[record.key for record in needed])))
+    seen = observer.observed
+    for record in seen.records:
+        if verify_hashes and record.hash != expected[record.name].hash:
+            raise IntegrityError(
+                f"{reader.path.name}: content hash of base tensor {record.name!r} does not match the base; the file "
+                "is damaged: nothing was served. Save the checkpoint again"
+            )
+    _refuse_unfilled(base, seen.loaded, live, model, reader)
+    if getattr(model_config, "quantization", None) is None and loaded is not None:
+        _refuse_unloaded(set(loaded), model, base, reader)
+    steps = []
+    for path, module, kind in post_load_steps(model):
+        run_post_load_step(module, kind, model_config, target_device)
+        steps.append(f"{path}:{kind}")
+    return {
+        "source": "base",
+        "tensors_read": len(seen.records),
+        "tensors_in_base": len(base.tensors),
+        "bytes_read": sum(record.nbytes for record in seen.records),
+        "layers_fed": sorted(path for path in seen.loaded if path in live),
+        "post_load": steps,
+        "restored": [],
+        "verify_hashes": verify_hashes,
+    }
+
+
+def _refuse_unfilled(
+    base: BaseDocument, filled: dict[str, list[str]], live: set[str], model: torch.nn.Module, reader: TensorFileReader
+) -> None:
+    """Every parameter a live layer took from the source at the save must have been filled now."""
+    for path, names in base.loaded.items():
+        if path not in live:
+            continue
+        params = dict(model.get_submodule(path).named_parameters(recurse=False))
+        missing = [name for name in names if name in params and name not in filled.get(path, ())]
+        if missing:
+            wanted = sorted(n for n, paths in base.consumers.items() if path in paths)
+            raise IntegrityError(
+                f"{reader.path.name}: layer {path!r} took {', '.join(missing)} from the source at the save, and the "
+                f"base did not fill it now (the base tensors it took: {', '.join(wanted[:6]) or 'none'}); the base "
+                "lacks a tensor this layer needs: nothing was served. Save the checkpoint again"
+            )
+
+
+def _refuse_unloaded(loaded: set[str], model: torch.nn.Module, base: BaseDocument, reader: TensorFileReader) -> None:
+    """vLLM's default loader's own check of an unquantized model (``track_weights_loading``): every parameter came
+    from the source. A release whose model has a parameter the saving one's did not meets a base without it."""
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        layer, _, param = missing[0].rpartition(".")
+        raise IntegrityError(
+            f"{reader.path.name}: the base lacks a tensor that layer {layer!r} needs (its parameter {param!r}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} got nothing from the base's "
+            f"{len(base.tensors)} tensors): nothing was served. Load it with the vLLM release that saved it, or "
+            "save it again from its source"
+        )

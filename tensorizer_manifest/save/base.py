@@ -1,0 +1,91 @@
+"""The layout-free base (#34), written at the save from the source the engine loaded.
+
+A base is what vLLM's own loader reads from the source (the HF safetensors files), under the names the model's
+``load_weights`` takes: fed back through ``load_weights`` at another parallel layout, on another machine or
+another vLLM release, vLLM shards, stacks and places it for that engine (``load.base``). Which module each
+tensor fills was observed while the engine loaded (``model.sources``). At the save the source is read again
+through a loader of the same settings, and every tensor must come back with the bytes the engine loaded (their
+hashes were taken as it loaded), else nothing is written (``NotReproducibleError``): the base is the engine's
+source, not whatever the directory holds by then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import NotReproducibleError
+from ..format.generation import BASE_DOCUMENT, GENERATIONS_FORMAT_VERSION, BaseDocument, encode_base
+from ..format.schema import EncryptionKey, TensorFileRef, digest_records
+from ..model.sources import ObservedSource, source_record
+from ..progress import ProgressCallback
+from ..storage.files import replace_atomically
+from .write import write_stream
+
+#: The base's tensor file's stem in its generation's folder (``base.<digest>.tensors``).
+BASE_STEM = "base"
+
+
+def source_weights(vllm_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's source, read again as vLLM's default loader reads it (all of it: no expert filter)."""
+    from vllm.config import replace
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    load_config = replace(vllm_config.load_config, load_format="auto", model_loader_extra_config={})
+    return DefaultModelLoader(load_config).get_all_weights(vllm_config.model_config, model)
+
+
+def write_base(
+    observed: ObservedSource,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    folder: Path,
+    *,
+    encryption_key: EncryptionKey | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[str, BaseDocument]:
+    """Write ``base.<digest>.tensors`` and ``base.manifest.json`` into ``folder`` from ``weights`` (the source read
+    again), each tensor checked against what the engine loaded. Returns the document's name and the document."""
+    observed.refuse_unattributed()
+    expected = observed.records
+    ordered = [(record.name, record) for record in expected]
+    ref = TensorFileRef(path="", size=0, tensor_count=len(expected), digest=digest_records(ordered))
+
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        position = 0
+        for name, tensor in weights:
+            record = expected[position] if position < len(expected) else None
+            again = source_record(name, tensor)
+            if record is None or again != record:
+                what = (
+                    f"source tensor {name!r}"
+                    if record is None or record.name == name
+                    else (f"the source's tensor #{position} ({name!r}, the engine loaded {record.name!r})")
+                )
+                raise NotReproducibleError(
+                    f"{what} is not the one this engine loaded: its source files changed since it started. Save "
+                    "from an engine started on the source as it is now"
+                )
+            position += 1
+            yield name, tensor
+        if position != len(expected):
+            raise NotReproducibleError(
+                f"the source now has {position} tensors, this engine loaded {len(expected)}: its source files changed "
+                "since it started. Save from an engine started on the source as it is now"
+            )
+
+    write_stream(
+        folder, BASE_STEM, ref, checked(), len(expected), sum(r.nbytes for r in expected), encryption_key, progress
+    )
+    document = BaseDocument(
+        format_version=GENERATIONS_FORMAT_VERSION,
+        observed=observed.layout,
+        tensor_file=ref,
+        tensors=expected,
+        consumers=observed.consumers,
+        loaded=observed.loaded,
+    )
+    replace_atomically(folder / BASE_DOCUMENT, encode_base(document))
+    return BASE_DOCUMENT, document

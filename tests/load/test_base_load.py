@@ -1,0 +1,95 @@
+"""Loading from the base (#34): only this rank's layers' tensors are read, checked, and every parameter those
+layers took at the save is filled again, or nothing is served (``helpers.sources``' toy model)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from helpers.sources import Toy, source
+
+from tensorizer_manifest.checks.validate import open_checked_base
+from tensorizer_manifest.errors import IntegrityError
+from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout
+from tensorizer_manifest.load.base import load_from_base
+from tensorizer_manifest.model.sources import SourceObserver
+from tensorizer_manifest.save.base import write_base
+
+
+class PPMissingLayer(torch.nn.Module):
+    """vLLM's stand-in, on a pipeline stage, for a layer another stage holds (matched by its class name)."""
+
+
+class Config:
+    quantization = None
+
+
+@pytest.fixture
+def base(tmp_path):
+    model, observer = Toy(), SourceObserver(Layout())
+    with observer.watching(model):
+        model.load_weights(observer.source(iter(source())))
+    _, document = write_base(observer.observed, source(), tmp_path)
+    return tmp_path, document
+
+
+def load(folder, document, model=None, **options):
+    model = model or Toy()
+    with open_checked_base(document, folder / BASE_DOCUMENT, folder / document.tensor_file.path) as reader:
+        return model, load_from_base(model, document, reader, Config(), torch.device("cpu"), **options)
+
+
+def test_a_model_loaded_from_the_base_holds_the_source(base):
+    model, report = load(*base)
+    expected = dict(source())
+    assert torch.equal(model.proj.weight, torch.cat([expected["proj.a"], expected["proj.b"]]))
+    assert torch.equal(model.norm.weight, expected["norm.weight"])
+    assert (report["tensors_read"], report["tensors_in_base"]) == (3, 4)  # the rotary table no layer took: not read
+    assert report["layers_fed"] == ["norm", "proj"]
+
+
+def test_a_pipeline_stage_reads_only_its_own_layers_tensors(base):
+    stage = Toy()
+    stage.norm = PPMissingLayer()
+    model, report = load(*base, model=stage)
+    assert report["tensors_read"] == 2 and report["layers_fed"] == ["proj"]
+    assert report["bytes_read"] == 2 * 2 * 3 * 4
+
+
+def test_a_damaged_base_tensor_is_refused_naming_it(base):
+    folder, document = base
+    path = folder / document.tensor_file.path
+    data = bytearray(path.read_bytes())
+    record = next(t for t in document.tensors if t.name == "norm.weight")
+    start = bytes(data).find(dict(source())["norm.weight"].numpy().tobytes())
+    assert start > 0 and record.nbytes == 12
+    data[start] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="content hash of base tensor 'norm.weight'"):
+        load(folder, document)
+
+
+def test_a_base_that_lacks_a_tensor_a_layer_took_is_refused_naming_both(base):
+    folder, document = base
+    consumers = {name: paths for name, paths in document.consumers.items() if name != "norm.weight"}
+    lacking = msgspec.structs.replace(document, consumers=consumers)
+    with pytest.raises(IntegrityError, match="layer 'norm' took weight from the source.*did not fill it"):
+        load(folder, lacking)
+
+
+def test_an_unquantized_parameter_the_base_never_fills_is_refused_as_vllms_loader_refuses_it(base):
+    folder, document = base
+    grown = Toy()
+    grown.extra = torch.nn.Module()
+    grown.extra.bias = torch.nn.Parameter(torch.zeros(2), requires_grad=False)  # a newer release's parameter
+    with pytest.raises(IntegrityError, match="the base lacks a tensor that layer 'extra' needs .*'bias'"):
+        load(folder, document, model=grown)
+
+
+def test_edited_records_are_refused_before_reading(base):
+    folder, document = base
+    edited = msgspec.structs.replace(
+        document, tensors=[msgspec.structs.replace(t, hash="blake3:" + "0" * 64) for t in document.tensors]
+    )
+    with pytest.raises(IntegrityError, match="do not match the digest bound to its tensor file"):
+        load(folder, edited)
