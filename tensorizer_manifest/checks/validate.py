@@ -52,6 +52,7 @@ from ..storage.checkpoint import (
     FileLocation,
     checkpoint_root,
     encryption_key_from,
+    load_base,
     load_generation,
     load_manifest,
     read_manifest,
@@ -334,6 +335,17 @@ def validate_checkpoint(
             files.append((resolve_tensor_file(manifest, manifest_path, ref), keys))
         except TensorizerManifestError as exc:
             problems.append(Problem(type(exc), str(manifest_path), str(exc)))
+    if current is not None and current[1].base is not None:  # the base's file is checked as the rank's are
+        try:
+            base, document, base_path = load_base(*current)  # type: ignore[arg-type]
+        except TensorizerManifestError as exc:
+            problems.append(Problem(type(exc), str(current[0]), str(exc)))
+        else:
+            found, base_keys = check_base(base, document)
+            problems += found
+            refs.append((base.tensor_file, base_keys))
+            files.append((base_path, base_keys))
+            records, stored = records + len(base.tensors), stored + len(base_keys)
     if len(files) < len(refs):
         return ValidationReport(manifest_path, None, records, stored, 0, tuple(problems), tuple(warnings), encrypted)
     for (ref, _), (tensor_path, keys) in zip(refs, files, strict=True):

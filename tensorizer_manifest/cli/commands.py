@@ -237,8 +237,9 @@ def inspect(location: str, json: bool, **remote) -> None:
 
 
 def _say_generation(path, remote: dict) -> None:
-    """For a checkpoint of format version 3: which generation was shown, and what it holds."""
-    from ..storage.checkpoint import checkpoint_root, load_generation
+    """For a checkpoint of format version 3: which generation was shown, what it holds, where its layers are
+    processed (each form set: a layout on one machine kind and vLLM) and whether a base serves other layouts."""
+    from ..storage.checkpoint import checkpoint_root, load_base, load_generation
 
     root = checkpoint_root(path, _remote(**remote))
     found = None if root is None else load_generation(root)
@@ -249,6 +250,27 @@ def _say_generation(path, remote: dict) -> None:
     console().print(
         f"generation {generation.id} ({generation.made_by}; over {generation.parent or 'nothing'}): {layouts}; "
         f"model files {', '.join(m.name for m in generation.model_files) or 'none'}",
+        highlight=False,
+    )
+    for form_set in generation.form_sets:
+        fingerprint = form_set.fingerprint
+        features = " ".join(fingerprint.cpu_features)
+        machine = f"{fingerprint.device_type} [{features}]" if features else fingerprint.device_type
+        console().print(
+            f"  processed for tp={form_set.layout.tp} pp={form_set.layout.pp} on {machine}, vLLM "
+            f"{fingerprint.vllm_version}, {fingerprint.dtype}",
+            highlight=False,
+        )
+    if generation.base is None:
+        console().print("  no base: other tensor- and pipeline-parallel sizes are refused", highlight=False)
+        return
+    try:
+        base, _, _ = load_base(root, generation)
+    except TensorizerManifestError as exc:
+        _fail(exc)
+    console().print(
+        f"  base: {len(base.tensors)} source tensors ({base.tensor_file.size:,} bytes, observed at "
+        f"tp={base.observed.tp}): any other tensor- or pipeline-parallel size loads through it",
         highlight=False,
     )
 

@@ -289,6 +289,12 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     opts = SaveOptions.parse(options)
     if opts.base == "inside" and opts.format_version != 3:
         raise ConfigurationError("base='inside' needs format_version=3: a base is a file of a generation")
+    if opts.base == "inside" and (opts.pipeline_parallel_size > 1 or opts.engine_args.get("enable_expert_parallel")):
+        raise ConfigurationError(
+            "base='inside' is observed by a saving engine whose first rank holds every layer and expert: save with "
+            "pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at other layouts "
+            "through its base)"
+        )
     if is_remote(str(out)):
         remote = opts.remote()
         target = RemoteDir(str(out), remote)  # a malformed URI is refused before an engine starts

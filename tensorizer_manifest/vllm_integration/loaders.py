@@ -23,7 +23,14 @@ from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_un
 from ..checks.generation_files import check_generation
 from ..checks.seal import unsealed_warning
 from ..checks.validate import open_checked_base, open_checked_forms
-from ..errors import ConfigurationError, NoManifestError, TensorizerManifestError, UnsupportedModelError
+from ..errors import (
+    CompatibilityError,
+    ConfigurationError,
+    NoManifestError,
+    TensorizerManifestError,
+    UnsupportedModelError,
+    UnsupportedVLLMError,
+)
 from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
 from ..load import replay
 from ..load.base import load_from_base
@@ -297,7 +304,10 @@ class ManifestModelLoader(BaseModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
-        fingerprint = engine_fingerprint(vllm_config)  # first: a vLLM it cannot describe is refused before any read
+        try:  # first: a vLLM it cannot describe is refused before any weight is read (unless a base serves it)
+            fingerprint, undescribed = engine_fingerprint(vllm_config), None
+        except UnsupportedVLLMError as exc:
+            fingerprint, undescribed = None, exc
         checkpoint, named_file = options.checkpoint_location(model_config.model)
         signing_key = signing_key_from(options.signing_key_file)
         encryption_key = encryption_key_from(options.encryption_key_file)
@@ -305,10 +315,15 @@ class ManifestModelLoader(BaseModelLoader):
         agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
-        if generation is not None and generation.base is not None and not has_rank(generation, stem):
-            return self._load_from_base(
-                vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock
-            )
+        if generation is not None and generation.base is not None:
+            why = _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config)
+            if why is not None:
+                return self._load_from_base(
+                    vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock,
+                    why,
+                )  # fmt: skip
+        if fingerprint is None:
+            raise undescribed  # type: ignore[misc]
         try:
             manifest, manifest_path = load_manifest(
                 root, stem, remote=options.remote(), generation=generation, follow_pointer=False
@@ -354,9 +369,9 @@ class ManifestModelLoader(BaseModelLoader):
         return model.eval()
 
     def _load_from_base(
-        self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock
+        self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock, why
     ):
-        """No form set was made at this engine's layout: every layer from the generation's base (``load.base``)."""
+        """No form set of the generation fits this engine (``why``): every layer from its base (``load.base``)."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -388,22 +403,14 @@ class ManifestModelLoader(BaseModelLoader):
                     model, base, reader, model_config, target_device, verify_hashes=options.verify_hashes
                 )
             clock.lap("read_and_post_load")
-        parallel = vllm_config.parallel_config
-        layouts = ", ".join(
-            f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets
-        )  # fmt: skip
-        summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted}
+        summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted, "why": why}
         setattr(model, REPORT_ATTR, summary)
         setattr(model, GENERATION_ATTR, generation)
-        logger.info(
-            "%s: generation %s has forms at %s, none at this engine's tensor_parallel_size=%d, "
-            "pipeline_parallel_size=%d: loaded from its base through vLLM's weight loaders (%d of %d base tensors, "
-            "%.1f MB), vLLM's post-load step ran on %d layer(s); %.2f s",
+        logger.warning(
+            "%s: %s; loaded from its base through vLLM's weight loaders (%d of %d base tensors, %.1f MB), vLLM's "
+            "post-load step ran on %d layer(s); %.2f s",
             root,
-            generation.id,
-            layouts or "no layout",
-            parallel.tensor_parallel_size,
-            parallel.pipeline_parallel_size,
+            why,
             report["tensors_read"],
             report["tensors_in_base"],
             report["bytes_read"] / 1e6,
@@ -480,6 +487,29 @@ class ManifestModelLoader(BaseModelLoader):
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
         }
+
+
+def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config) -> str | None:
+    """Why this engine loads ``generation`` from its base rather than a form set (None: it takes its forms): no form
+    set at its layout, a vLLM that cannot use forms, or a form set made with other engine settings."""
+    if not has_rank(generation, stem):
+        parallel = vllm_config.parallel_config
+        layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets) or "none"
+        return (
+            f"generation {generation.id} has form sets at {layouts}, none at this engine's "
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}"
+        )
+    if fingerprint is None:
+        return f"this vLLM cannot use generation {generation.id}'s forms ({undescribed})"
+    manifest, manifest_path = load_manifest(root, stem, remote=options.remote(), generation=generation,
+                                            follow_pointer=False)  # fmt: skip
+    try:
+        check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
+        refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))
+    except CompatibilityError as exc:
+        return f"its form set at this layout was made with other engine settings ({exc})"
+    return None
 
 
 class CaptureModelLoader(DefaultModelLoader):

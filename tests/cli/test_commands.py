@@ -356,6 +356,51 @@ def test_inspect_and_validate_name_the_generation_of_a_format_3_checkpoint(tmp_p
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def test_inspect_shows_the_base_and_validate_checks_its_file(tmp_path):
+    """A generation with a base: ``inspect`` says what serves other layouts; ``validate`` checks the base's tensor
+    file as a rank's (a changed byte in its data is a content-hash problem naming the file)."""
+    from helpers.sources import Toy, source
+    from helpers.synthetic import make_capture, write_synthetic_checkpoint
+
+    from tensorizer_manifest.format import generation as g
+    from tensorizer_manifest.model.sources import SourceObserver
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.save.base import write_base
+    from tensorizer_manifest.save.write import write_checkpoint
+    from tensorizer_manifest.storage.tensor_file import read_index
+
+    root = tmp_path / "ckpt"
+    publication = publish.begin(root, g.new_generation_id())
+    manifest = write_checkpoint(make_capture(), publication.folder, "model")
+    model, observer = Toy(), SourceObserver(g.Layout())
+    with observer.watching(model):
+        model.load_weights(observer.source(iter(source())))
+    base = write_base(observer.observed, source(), publication.folder)
+    publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(g.Layout(), manifest.fingerprint, [publish.rank_entry(publication, "model")])],
+        model_files=publish.copy_model_files(publication, write_synthetic_checkpoint(tmp_path / "source")),
+        base=publish.base_entry(publication, *base),
+    )
+    shown = run("inspect", str(root))
+    assert shown.returncode == 0, shown.stderr
+    assert "processed for tp=1 pp=1 on cpu" in shown.stdout
+    assert "base: 4 source tensors" in shown.stdout and "any other tensor- or pipeline-parallel size" in shown.stdout
+    checked = run("validate", str(root), "--json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    base_file = publication.folder / base[1].tensor_file.path
+    entry = read_index(base_file)["proj.b"]
+    data = bytearray(base_file.read_bytes())
+    data[entry.data_offset] ^= 0x01
+    base_file.write_bytes(bytes(data))
+    damaged = run("validate", str(root))
+    assert damaged.returncode == 1
+    said = damaged.stdout + damaged.stderr
+    assert base_file.name in said and "tensor 'proj.b': content hash does not match" in said
+
+
 def _handed_on(monkeypatch, module, function: str, args: list[str]) -> dict:
     """The keyword arguments a command hands ``module.function`` for ``args`` (stopped there: no engine)."""
     from click.testing import CliRunner

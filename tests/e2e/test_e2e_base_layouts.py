@@ -69,6 +69,15 @@ def test_saved_at_tp2_loads_at_tp1_through_the_base_token_exact(dense):
     loaded_from_the_base(dense["tp2_saved_tp1"])
 
 
+def test_at_the_saved_layout_an_engine_its_forms_do_not_fit_loads_the_base_instead_of_being_refused(dense):
+    """Without a base, this engine setting is refused (the bad-input catalogue); with one, the checkpoint loads
+    as vLLM's default loader loads the source with that setting."""
+    run = dense["tp1_other_settings"]
+    same_as_the_default_loader(run)
+    (report,) = loaded_from_the_base(run)
+    assert "made with other engine settings" in report["why"] and "kv_cache_dtype_skip_layers" in report["why"]
+
+
 def test_a_damaged_base_tensor_is_refused_before_the_engine_serves(dense):
     damaged = dense["damaged"]
     assert damaged is not None, "an engine served a checkpoint whose base tensor was damaged"

@@ -112,6 +112,22 @@ def test_remote_outputs_are_checked_before_an_engine_starts(tmp_path):
         save_checkpoint(tmp_path, tmp_path / "out", s3_endpoint="http://127.0.0.1:1")
 
 
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"format_version": 2}, "needs format_version=3"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1 and without expert parallelism"),
+        ({"engine_args": {"enable_expert_parallel": True}}, "without expert parallelism"),
+    ],
+)
+def test_a_base_the_saving_engine_cannot_observe_is_refused_before_it_starts(tmp_path, options, words):
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    with pytest.raises(ConfigurationError, match=words):
+        save_checkpoint(tmp_path / "no-model-here", tmp_path / "out", base="inside", **options)
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_options_never_show_a_credential():
     options = SaveOptions.parse({"s3_access_key_id": "AKIAEXAMPLEKEYID", "s3_secret_access_key": "s3cr3t-value-xyz"})
     assert "s3cr3t-value-xyz" not in repr(options) and "AKIAEXAMPLEKEYID" not in repr(options)

