@@ -654,6 +654,8 @@ def _add_form_options() -> type:
     model=_add_form_options,
     options=[
         click.Option(["--engine-arg", "engine_arg"], multiple=True, metavar="KEY=VALUE", help="As for save."),
+        Spelled("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
+        Spelled("pipeline_parallel_size", ("--pipeline-parallel-size", "-pp")),
         Spelled("signing_key_file", type=_PATH),
         Spelled("encryption_key_file", ENCRYPTION_KEY_NAMES, type=_PATH),
         *_options_of(remote_options),
@@ -681,7 +683,13 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
         console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
         return
     for rank in result.ranks:
-        if rank["tensor_file"]:
+        if rank.get("layout"):
+            console().print(
+                f"added the form set of tp={rank['layout']['tp']} pp={rank['layout']['pp']} made here from the base: "
+                f"{rank['tensor_file']} ({rank['bytes']:,} bytes, {len(rank['added'])} layers processed); engines at "
+                "this layout now load it without vLLM's step on them"
+            )
+        elif rank["tensor_file"]:
             console().print(
                 f"added the form of {len(rank['added'])} layers made here: {rank['tensor_file']} "
                 f"({rank['bytes']:,} bytes); this machine kind now loads them processed"

@@ -12,6 +12,7 @@ and every parameter those layers took at the save must be filled again, else the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,11 @@ def load_from_base(
     target_device: torch.device,
     *,
     verify_hashes: bool = True,
+    around_steps: Callable[[torch.nn.Module, Callable[[], None]], None] | None = None,
 ) -> dict[str, Any]:
-    """Fill this rank's layers from the base and run vLLM's post-load step once on each; returns the report."""
+    """Fill this rank's layers from the base and run vLLM's post-load step once on each; returns the report.
+    ``around_steps(model, run_steps)`` runs the steps itself, around what it observes (``add-form`` at this
+    layout records the processed form they make, as the capture loader does at a save)."""
     live = live_modules(model)
     needed = base.needed_by(live)
     expected = {record.name: record for record in needed}
@@ -55,10 +59,17 @@ def load_from_base(
     _refuse_unfilled(base, seen.loaded, live, model, reader)
     if getattr(model_config, "quantization", None) is None and loaded is not None:
         _refuse_unloaded(set(loaded), model, base, reader)
-    steps = []
-    for path, module, kind in post_load_steps(model):
-        run_post_load_step(module, kind, model_config, target_device)
-        steps.append(f"{path}:{kind}")
+    steps: list[str] = []
+
+    def run_steps() -> None:
+        for path, module, kind in post_load_steps(model):
+            run_post_load_step(module, kind, model_config, target_device)
+            steps.append(f"{path}:{kind}")
+
+    if around_steps is None:
+        run_steps()
+    else:
+        around_steps(model, run_steps)
     return {
         "source": "base",
         "tensors_read": len(seen.records),

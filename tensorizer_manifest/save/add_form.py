@@ -22,7 +22,7 @@ from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .._signatures import takes_keywords_of
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
-from ..storage.checkpoint import read_manifest
+from ..storage.checkpoint import load_generation, read_manifest
 from ..storage.generations import S3Checkpoint, refresh_top_level
 from ..storage.options import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
@@ -52,6 +52,13 @@ class AddFormOptions(S3Options):
     allow_unconditional_writes: bool = Field(
         False, description="Write to an S3 server that ignores conditional writes (the last writer wins, silently)."
     )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="The layout to add forms for (default: the saved one). A checkpoint with a base takes a whole "
+        "form set at a new layout: loaded there from its base, what vLLM's steps make is kept for that layout.",
+    )
+    pipeline_parallel_size: int | None = Field(None, ge=1, description="As tensor_parallel_size.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Further vllm.LLM keyword arguments. The engine settings a checkpoint records (dtype, "
@@ -154,14 +161,21 @@ def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions
     return AddFormResult(checkpoint=uri, ranks=result.ranks)
 
 
+def _has_base(directory: Path) -> bool:
+    """Whether the checkpoint in ``directory`` (format version 3) has a base: other layouts load through it."""
+    found = load_generation(directory) if directory.is_dir() else None
+    return found is not None and found[0].base is not None
+
+
 def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None = None) -> AddFormResult:
     """Add the form to the checkpoint whose manifests are in ``directory`` (its tensors at ``checkpoint_dir``,
     by default beside them)."""
     manifests = sorted(directory.glob(f"*{MANIFEST_SUFFIX}")) if directory.is_dir() else []
     if not manifests:
         raise CheckpointNotFoundError(f"{directory}: no *{MANIFEST_SUFFIX} here: not a tensorizer-manifest checkpoint")
+    with_base = _has_base(directory)
     for path in manifests:
-        if not any(m.fallback for m in read_manifest(path).modules):
+        if not with_base and not any(m.fallback for m in read_manifest(path).modules):
             raise ConfigurationError(
                 f"{path}: no layer has a raw fallback, so there is nothing another machine can make its form from "
                 "(saved with --no-fallbacks or --portable, or by tensorizer-manifest 0.3). Re-save it from the "
@@ -191,6 +205,15 @@ def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None 
         max_num_seqs=1,
         model_loader_extra_config=loader_config,
     )
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        wanted = getattr(opts, name)
+        if wanted is not None and wanted != kwargs[name]:
+            if not with_base:
+                raise ConfigurationError(
+                    f"{directory}: {name} other than the saved one ({kwargs[name]}) needs a checkpoint with a base "
+                    "(save --base inside)"
+                )
+            kwargs[name] = wanted
     kwargs.update(opts.engine_args)
 
     from vllm import LLM

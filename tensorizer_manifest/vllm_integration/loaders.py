@@ -1,7 +1,8 @@
 """The two load formats vLLM is given: ``ManifestModelLoader`` (``tensorizer_manifest``: validate, restore, replay)
 and ``CaptureModelLoader`` (``tensorizer_manifest_capture``: vLLM's default loader, its post-load step observed),
 with their option models. The attributes they leave on the model (``CAPTURE_ATTR``, ``REPORT_ATTR``,
-``ADDED_FORM_ATTR``, ``GENERATION_ATTR``) are named here, for the worker extension that reads them.
+``ADDED_FORM_ATTR``, ``GENERATION_ATTR``, ``LAYOUT_FORM_ATTR``) are named here, for the worker extension that reads
+them.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ CAPTURE_ATTR = "_tensorizer_manifest_capture"
 REPORT_ATTR = "_tensorizer_manifest_report"
 ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
 GENERATION_ATTR = "_tensorizer_manifest_generation"
+LAYOUT_FORM_ATTR = "_tensorizer_manifest_layout_form"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
 logger = logging.getLogger("vllm.tensorizer_manifest")
@@ -320,7 +322,7 @@ class ManifestModelLoader(BaseModelLoader):
             if why is not None:
                 return self._load_from_base(
                     vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock,
-                    why,
+                    why, fingerprint,
                 )  # fmt: skip
         if fingerprint is None:
             raise undescribed  # type: ignore[misc]
@@ -369,17 +371,29 @@ class ManifestModelLoader(BaseModelLoader):
         return model.eval()
 
     def _load_from_base(
-        self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock, why
-    ):
-        """No form set of the generation fits this engine (``why``): every layer from its base (``load.base``)."""
+        self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock, why,
+        fingerprint,
+    ):  # fmt: skip
+        """No form set of the generation fits this engine (``why``): every layer from its base (``load.base``).
+        With ``add_form``, vLLM's steps are observed as a save's are, for this layout's form set."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        if options.add_form:
+        if options.add_form and fingerprint is None:
             raise ConfigurationError(
-                f"{root}: generation {generation.id} has no form set at this engine's layout, so it loads from its "
-                "base; add-form at a new layout is not built yet: load without add_form"
+                f"{root}: this vLLM cannot describe the forms it would make, so add-form cannot run on it ({why})"
             )
+        captured: list[Capture] = []
+
+        def observe(model: torch.nn.Module, run_steps) -> None:
+            recorder = Recorder(model, policy=CapturePolicy(device_type=fingerprint.device_type))
+            try:
+                run_steps()
+            except BaseException:
+                recorder.close()
+                raise
+            captured.append(recorder.finish(fingerprint))
+
         base, document, tensor_path = load_base(root, generation)
         encrypted = base.tensor_file.encryption != "none"
         check_generation(generation, encrypted, signing_key, encryption_key, model_config.model)
@@ -400,10 +414,19 @@ class ManifestModelLoader(BaseModelLoader):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 clock.lap("build_model")
                 report = load_from_base(
-                    model, base, reader, model_config, target_device, verify_hashes=options.verify_hashes
+                    model,
+                    base,
+                    reader,
+                    model_config,
+                    target_device,
+                    verify_hashes=options.verify_hashes,
+                    around_steps=observe if options.add_form else None,
                 )
             clock.lap("read_and_post_load")
         summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted, "why": why}
+        for capture in captured:  # this layout's form set, for the worker's add-form to write and commit
+            capture.stem = rank_stem(vllm_config)
+            setattr(model, LAYOUT_FORM_ATTR, capture)
         setattr(model, REPORT_ATTR, summary)
         setattr(model, GENERATION_ATTR, generation)
         logger.warning(

