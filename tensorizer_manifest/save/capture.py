@@ -230,6 +230,18 @@ class Recorder:
         return layers
 
 
+def capture_around(model: torch.nn.Module, run_steps, policy: CapturePolicy, fingerprint: Fingerprint) -> Capture:
+    """vLLM's post-load step (``run_steps``) run with a ``Recorder`` around it: the capture of what it made (a
+    save's, or ``add-form``'s at a new layout). The pre-step copies are freed if the step fails."""
+    recorder = Recorder(model, policy=policy)
+    try:
+        run_steps()
+    except BaseException:
+        recorder.close()
+        raise
+    return recorder.finish(fingerprint)
+
+
 class FallbackRecorder:
     """For ``add-form``: the layers a load takes through their raw fallback, observed around vLLM's step.
 

@@ -39,7 +39,7 @@ from ..load.forms import choose_forms
 from ..load.restore import check_model, restore_tensors
 from ..model.sources import SourceObserver
 from ..progress import terminal_progress
-from ..save.capture import Capture, CapturePolicy, FallbackRecorder, Recorder
+from ..save.capture import Capture, CapturePolicy, FallbackRecorder, capture_around
 from ..storage.checkpoint import (
     check_named_tensor_file,
     check_one_save,
@@ -386,13 +386,8 @@ class ManifestModelLoader(BaseModelLoader):
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_steps) -> None:
-            recorder = Recorder(model, policy=CapturePolicy(device_type=fingerprint.device_type))
-            try:
-                run_steps()
-            except BaseException:
-                recorder.close()
-                raise
-            captured.append(recorder.finish(fingerprint))
+            policy = CapturePolicy(device_type=fingerprint.device_type)
+            captured.append(capture_around(model, run_steps, policy, fingerprint))
 
         base, document, tensor_path = load_base(root, generation)
         encrypted = base.tensor_file.encryption != "none"
@@ -571,13 +566,7 @@ class CaptureModelLoader(DefaultModelLoader):
                 fallbacks=self.options.fallbacks,
             )
             # pre-step copies go to a nameless file in $TENSORIZER_MANIFEST_SPILL_DIR
-            recorder = Recorder(model, policy=policy)
-            try:
-                run_step()
-            except BaseException:
-                recorder.close()
-                raise
-            captured.append(recorder.finish(fingerprint))
+            captured.append(capture_around(model, run_step, policy, fingerprint))
 
         try:
             with _vllm_compat.observe_post_load(observe):
