@@ -99,7 +99,7 @@ def rank_entry(publication: Publication, stem: str, keeps: dict[str, str] | None
 
 
 def base_entry(publication: Publication, document_name: str, document: BaseDocument) -> BaseRef:
-    """The base written into the publication's folder (``save.base.write_base``), by its document's bytes."""
+    """The base written into the publication's folder (``save.write_base.write_base``), by its document's bytes."""
     data = (publication.folder / document_name).read_bytes()
     return BaseRef(
         mode="inside",

@@ -34,8 +34,8 @@ from ..errors import (
 )
 from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
 from ..load import replay
-from ..load.base import load_from_base
 from ..load.forms import choose_forms
+from ..load.from_base import load_from_base
 from ..load.restore import check_model, restore_tensors
 from ..model.sources import SourceObserver
 from ..progress import terminal_progress
@@ -374,7 +374,7 @@ class ManifestModelLoader(BaseModelLoader):
         self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock, why,
         fingerprint,
     ):  # fmt: skip
-        """No form set of the generation fits this engine (``why``): every layer from its base (``load.base``).
+        """No form set of the generation fits this engine (``why``): every layer from its base (``load.from_base``).
         With ``add_form``, vLLM's steps are observed as a save's are, for this layout's form set."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype

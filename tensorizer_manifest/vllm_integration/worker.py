@@ -19,9 +19,9 @@ from ..format.generation import Layout
 from ..format.schema import MANIFEST_SUFFIX, REPLAY_NONE, REPLAY_POST_LOAD
 from ..progress import terminal_progress
 from ..save import publish
-from ..save.base import source_weights, write_base
 from ..save.capture import Capture, CapturePolicy
 from ..save.write import copy_model_files, prepare_checkpoint, write_added_form, write_checkpoint
+from ..save.write_base import source_weights, write_base
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from .loaders import (
     ADDED_FORM_ATTR,

@@ -365,8 +365,8 @@ def test_inspect_shows_the_base_and_validate_checks_its_file(tmp_path):
     from tensorizer_manifest.format import generation as g
     from tensorizer_manifest.model.sources import SourceObserver
     from tensorizer_manifest.save import publish
-    from tensorizer_manifest.save.base import write_base
     from tensorizer_manifest.save.write import write_checkpoint
+    from tensorizer_manifest.save.write_base import write_base
     from tensorizer_manifest.storage.tensor_file import read_index
 
     root = tmp_path / "ckpt"

@@ -85,16 +85,10 @@ def test_saved_at_tp2_loads_at_tp1_through_the_base_token_exact(dense):
     loaded_from_the_base(dense["tp2_saved_tp1"])
 
 
-def test_at_the_saved_layout_an_engine_its_forms_do_not_fit_loads_the_base_instead_of_being_refused(dense):
-    """Without a base, this engine setting is refused (the bad-input catalogue); with one, the checkpoint loads
-    as vLLM's default loader loads the source with that setting."""
-    run = dense["tp1_other_settings"]
-    same_as_the_default_loader(run)
-    (report,) = loaded_from_the_base(run)
-    assert "made with other engine settings" in report["why"] and "kv_cache_dtype_skip_layers" in report["why"]
-
-
 def test_a_damaged_base_tensor_is_refused_before_the_engine_serves(dense):
+    """At the saved layout, by an engine with a setting its form set was not made with: it takes the base instead
+    of being refused (without a base this setting is refused: the bad-input catalogue), and the base's damaged
+    tensor is refused by its content hash."""
     damaged = dense["damaged"]
     assert damaged is not None, "an engine served a checkpoint whose base tensor was damaged"
     assert damaged["error"] == "IntegrityError", damaged

@@ -32,6 +32,7 @@ def main() -> None:
 
     workdir = sys.argv[1]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # each engine's core in its process: a faster PP=2 start
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model
     from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
     from tensorizer_manifest.storage.checkpoint import load_manifest
@@ -54,7 +55,6 @@ def main() -> None:
                 result["reports"] = llm.collective_rpc("tensorizer_manifest_report")
         finally:
             shutdown(llm)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the loader's own error reaches us
     try:
         shutdown(_engine(out, "tensorizer_manifest", 1, backend="uni"))
         result["mismatch"] = None

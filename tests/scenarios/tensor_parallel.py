@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main() -> None:
     workdir = sys.argv[1]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # each engine's core in its process: half a TP=2 start
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from helpers.errors import error_chain
     from helpers.worker_tools import TEST_WORKER_EXTENSION

@@ -2,7 +2,7 @@
 
 A base is what vLLM's own loader reads from the source (the HF safetensors files), under the names the model's
 ``load_weights`` takes: fed back through ``load_weights`` at another parallel layout, on another machine or
-another vLLM release, vLLM shards, stacks and places it for that engine (``load.base``). Which module each
+another vLLM release, vLLM shards, stacks and places it for that engine (``load.from_base``). Which module each
 tensor fills was observed while the engine loaded (``model.sources``). At the save the source is read again
 through a loader of the same settings, and every tensor must come back with the bytes the engine loaded (their
 hashes were taken as it loaded), else nothing is written (``NotReproducibleError``): the base is the engine's

@@ -11,9 +11,9 @@ from helpers.sources import Toy, source
 from tensorizer_manifest.checks.validate import open_checked_base
 from tensorizer_manifest.errors import IntegrityError
 from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout
-from tensorizer_manifest.load.base import load_from_base
+from tensorizer_manifest.load.from_base import load_from_base
 from tensorizer_manifest.model.sources import SourceObserver
-from tensorizer_manifest.save.base import write_base
+from tensorizer_manifest.save.write_base import write_base
 
 
 class PPMissingLayer(torch.nn.Module):
