@@ -383,6 +383,11 @@ class ManifestModelLoader(BaseModelLoader):
             raise ConfigurationError(
                 f"{root}: this vLLM cannot describe the forms it would make, so add-form cannot run on it ({why})"
             )
+        if options.add_form and has_rank(generation, rank_stem(vllm_config)):
+            raise ConfigurationError(
+                f"{root}: {why}; add-form adds a form set only at a layout that has none (one form set a layout): "
+                "start its engine with the settings that layout's form set was made with"
+            )
         captured: list[Capture] = []
 
         def observe(model: torch.nn.Module, run_steps) -> None:
