@@ -151,6 +151,7 @@ def main() -> None:
     from tensorizer_manifest.save.add_form import add_form
 
     args.work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # add-form's TP=2 engine runs in this process
     result: dict = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
