@@ -11,6 +11,7 @@ ranks, the model class), so that each is written once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -27,8 +28,6 @@ from .format.schema import qualified_class
 PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER", ()),
     ("vllm._custom_ops", "_supports_onednn", ()),
-    ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config",
-     ("quant_config", "runtime_quant_config")),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      ("model", "model_config", "target_device")),
     ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader._init_ep_weight_filter",
@@ -395,12 +394,22 @@ def retains_nvfp4_weight_for_gather(module: Any) -> bool:
 
 
 def quant_config_hash(model_config: Any) -> str | None:
-    """vLLM's own hash of a quantization config (its weight cache's key), None when unquantized."""
+    """The quantization config's identity as vLLM 0.32's weight-cache key hashes it (``_hash_quant_config``: the
+    checkpoint's config and the runtime one), None when unquantized. Written out here from vLLM's public helpers
+    so that every release computes the same value: 0.31's private helper hashes no runtime config (a save there
+    was refused), and a checkpoint must not change identity with the release that reads it. A test holds it
+    equal to the installed vLLM's own helper where that has 0.32's signature."""
+    from vllm.config.utils import normalize_value
+    from vllm.utils.hashing import safe_hash
+
     quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
     if quant_cfg is None and model_config.quantization is None:
         return None
-    hash_quant_config = private("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config")
-    return hash_quant_config(quant_config=quant_cfg, runtime_quant_config=model_config.quantization_config)
+    if hasattr(quant_cfg, "to_dict"):
+        quant_cfg = quant_cfg.to_dict()
+    runtime = normalize_value(getattr(model_config, "quantization_config", None))
+    payload = json.dumps({"checkpoint": quant_cfg, "runtime": runtime}, sort_keys=True, default=str)
+    return safe_hash(payload.encode(), usedforsecurity=False).hexdigest()
 
 
 def parallel_ranks() -> tuple[int, int]:

@@ -37,26 +37,49 @@ def test_a_missing_name_is_reported_with_the_vllm_version(monkeypatch):
 
 
 def test_a_private_function_whose_signature_changed_is_a_typed_error_before_it_is_called(monkeypatch):
-    """vLLM 0.31's ``_hash_quant_config`` takes no ``runtime_quant_config``: a TypeError deep in a save, once."""
+    """A keyword a vLLM release dropped: a TypeError deep in a save, once; now refused by name before the call."""
+    import vllm._custom_ops as custom_ops
+
+    from tensorizer_manifest.errors import UnsupportedVLLMError
+
+    module, name = "vllm._custom_ops", "_signature_checked"
+    calls = []
+    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", (*_vllm_compat.PRIVATE_NAMES, (module, name, ("layer",))))
+    monkeypatch.setattr(custom_ops, name, lambda other: calls.append(other), raising=False)
+    assert _vllm_compat.missing_private_names() == [f"{module}.{name} (takes no layer)"]
+    with pytest.raises(UnsupportedVLLMError) as raised:
+        _vllm_compat.private(module, name)
+    message = str(raised.value)
+    assert f"vLLM {_vllm_compat.vllm_version()} " in message and f"{module}.{name}" in message
+    assert _vllm_compat.SUPPORTED_VLLM in message
+    assert calls == []  # refused before the call
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "runtime"),
+    [
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 8}}}}, None),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, None),
+        ({"quant_method": "fp8"}, {"activation_scheme": "dynamic"}),
+        (None, None),  # quantized at load only (``--quantization``)
+    ],
+)
+def test_the_quant_config_hash_is_vllm_032s_own(checkpoint, runtime):
+    """The fingerprint's ``quant_config_hash`` is written out (no private name, the same on every release): it must
+    stay the value vLLM's weight-cache key computes, which every checkpoint saved so far records."""
+    import inspect
     from types import SimpleNamespace
 
     from vllm.model_executor.model_loader.weight_cache import protocol
 
-    from tensorizer_manifest.errors import UnsupportedVLLMError
-
-    calls = []
-    monkeypatch.setattr(protocol, "_hash_quant_config", lambda quant_config: calls.append(quant_config))
-    name = "vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config"
-    assert _vllm_compat.missing_private_names() == [f"{name} (takes no runtime_quant_config)"]
-    quantized = SimpleNamespace(hf_config=SimpleNamespace(quantization_config={"quant_method": "x"}))
-    with pytest.raises(UnsupportedVLLMError) as raised:
-        _vllm_compat.quant_config_hash(quantized)
-    message = str(raised.value)
-    assert f"vLLM {_vllm_compat.vllm_version()} " in message and name in message
-    assert _vllm_compat.SUPPORTED_VLLM in message
-    assert calls == []  # refused before the call
+    if "runtime_quant_config" not in inspect.signature(protocol._hash_quant_config).parameters:
+        pytest.skip(f"vLLM {_vllm_compat.vllm_version()}'s helper is not 0.32's (no runtime_quant_config)")
+    hf_config = SimpleNamespace() if checkpoint is None else SimpleNamespace(quantization_config=checkpoint)
+    model_config = SimpleNamespace(hf_config=hf_config, quantization="fp8", quantization_config=runtime)
+    expected = protocol._hash_quant_config(quant_config=checkpoint, runtime_quant_config=runtime)
+    assert _vllm_compat.quant_config_hash(model_config) == expected
     unquantized = SimpleNamespace(hf_config=SimpleNamespace(), quantization=None)
-    assert _vllm_compat.quant_config_hash(unquantized) is None  # a model that never calls it is not refused
+    assert _vllm_compat.quant_config_hash(unquantized) is None
 
 
 def test_engine_facts_outside_an_engine():
