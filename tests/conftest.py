@@ -239,17 +239,24 @@ def _preloaded_scenarios():
 
 
 def run_script(
-    script: str, *args: str, marker: str, timeout: int = 900, env: dict[str, str] | None = None, output: bool = False
+    script: str,
+    *args: str,
+    marker: str,
+    timeout: int = 900,
+    env: dict[str, str] | None = None,
+    output: bool = False,
+    python: str | None = None,
 ) -> dict:
     """Run a scenario script; its result is the JSON after ``marker``. ``env`` adds variables;
-    with ``output`` the result also holds everything it printed (``_output``), for tests that grep it."""
+    with ``output`` the result also holds everything it printed (``_output``), for tests that grep it.
+    ``python``: another environment's interpreter (another vLLM release), as a fresh process."""
     env = _scenario_env(env or {})
     argv = [str(TESTS / script), *args]
-    if _PRELOADED is not None and _PRELOADED.can_run(env):
+    if python is None and _PRELOADED is not None and _PRELOADED.can_run(env):
         proc = _PRELOADED.run(argv, env, timeout)
     else:
         proc = subprocess.run(
-            [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            [python or sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
         )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(marker + " "):

@@ -85,12 +85,22 @@ def load_from_base(
 def _refuse_unfilled(
     base: BaseDocument, filled: dict[str, list[str]], live: set[str], model: torch.nn.Module, reader: TensorFileReader
 ) -> None:
-    """Every parameter a live layer took from the source at the save must have been filled now."""
+    """Every parameter a live layer took from the source at the save must have been filled now, on this layer or,
+    where this release keeps it one module deeper (0.31's ``experts.routed_experts``), on the module below that
+    holds it."""
     for path, names in base.loaded.items():
         if path not in live:
             continue
-        params = dict(model.get_submodule(path).named_parameters(recurse=False))
-        missing = [name for name in names if name in params and name not in filled.get(path, ())]
+        module = model.get_submodule(path)
+        own = dict(module.named_parameters(recurse=False))
+        deeper = [inner for inner, _ in module.named_parameters() if "." in inner]
+        missing = []
+        for name in names:
+            held = [name] if name in own else [inner for inner in deeper if inner.rpartition(".")[2] == name]
+            for inner in held:
+                owner = f"{path}.{inner}".rpartition(".")[0]
+                if name not in filled.get(owner, ()):
+                    missing.append(inner)
         if missing:
             wanted = sorted(n for n, paths in base.consumers.items() if path in paths)
             raise IntegrityError(
@@ -101,9 +111,19 @@ def _refuse_unfilled(
 
 
 def _refuse_unloaded(loaded: set[str], model: torch.nn.Module, base: BaseDocument, reader: TensorFileReader) -> None:
-    """vLLM's default loader's own check of an unquantized model (``track_weights_loading``): every parameter came
-    from the source. A release whose model has a parameter the saving one's did not meets a base without it."""
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    """vLLM's default loader's own check of an unquantized model (``track_weights_loading``, the same rule in 0.31
+    and 0.32): every parameter came from the source, except those of a module whose quant method has a post-load
+    step (vLLM exempts them: they may be built there). A release whose model has a parameter the saving one's did
+    not meets a base without it. The names are this release's: 0.31 keeps a MoE's experts one module deeper
+    (``experts.routed_experts``) than 0.32, where the save observed them."""
+    exempt = {
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        if (method := getattr(module, "quant_method", None)) is not None
+        and (getattr(method, "uses_meta_device", False) or getattr(method, "process_weights_after_loading", None))
+        for name, _ in module.named_parameters()
+    }
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded and name not in exempt)
     if missing:
         layer, _, param = missing[0].rpartition(".")
         raise IntegrityError(

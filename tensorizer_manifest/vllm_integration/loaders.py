@@ -514,7 +514,9 @@ class ManifestModelLoader(BaseModelLoader):
 
 def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config) -> str | None:
     """Why this engine loads ``generation`` from its base rather than a form set (None: it takes its forms): no form
-    set at its layout, a vLLM that cannot use forms, or a form set made with other engine settings."""
+    set at its layout, a vLLM that cannot use forms, a form set another vLLM release made (the base is the one part
+    of a checkpoint that no release's private names or parameter shapes decide), or one made with other engine
+    settings."""
     if not has_rank(generation, stem):
         parallel = vllm_config.parallel_config
         layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets) or "none"
@@ -525,6 +527,9 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
         )
     if fingerprint is None:
         return f"this vLLM cannot use generation {generation.id}'s forms ({undescribed})"
+    made_by = next(s.fingerprint.vllm_version for s in generation.form_sets if any(r.stem == stem for r in s.ranks))
+    if made_by != fingerprint.vllm_version:  # its raw fallbacks too are in that release's names and shapes
+        return f"its form set at this layout was made by vLLM {made_by} (this engine: {fingerprint.vllm_version})"
     manifest, manifest_path = load_manifest(root, stem, remote=options.remote(), generation=generation,
                                             follow_pointer=False)  # fmt: skip
     try:

