@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -155,6 +155,12 @@ class LoadOptions(S3Options):
     )
     progress: bool = Field(
         False, description="Draw a progress bar of the read on stderr (rank 0, when stdout and stderr are terminals)."
+    )
+    source: Literal["auto", "base"] = Field(
+        "auto",
+        description="auto: each rank takes its form set where one fits this engine, the base otherwise. base: "
+        "every layer from the checkpoint's base through vLLM's own weight loaders, even where a form set fits (to "
+        "check a base, or to measure it); a checkpoint without a base is refused.",
     )
     add_form: bool = Field(
         False,
@@ -317,6 +323,11 @@ class ManifestModelLoader(BaseModelLoader):
         agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
+        if options.source == "base" and (generation is None or generation.base is None):
+            raise ConfigurationError(
+                f"{checkpoint}: the load options ask for the base (source='base'), and this checkpoint has none (save "
+                "it with --base inside, or load it with source='auto')"
+            )
         if generation is not None and generation.base is not None:
             why = _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config)
             if why is not None:
@@ -517,6 +528,8 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
     set at its layout, a vLLM that cannot use forms, a form set another vLLM release made (the base is the one part
     of a checkpoint that no release's private names or parameter shapes decide), or one made with other engine
     settings."""
+    if options.source == "base":
+        return "the load options ask for the base (source='base')"
     if not has_rank(generation, stem):
         parallel = vllm_config.parallel_config
         layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets) or "none"

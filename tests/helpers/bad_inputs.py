@@ -388,6 +388,14 @@ BAD_INPUTS: list[BadInput] = [
 #: checkpoint saved by real vLLM, with attention layers and (for the last) a raw layer.
 MODEL_BAD_INPUTS: list[BadInput] = [
     BadInput(
+        "base-asked-of-a-checkpoint-without-one",
+        lambda d: None,
+        "ConfigurationError",
+        r"ask for the base \(source='base'\), and this checkpoint has none",
+        "model",
+        engine={"model_loader_extra_config": {"source": "base"}},
+    ),
+    BadInput(
         "engine-keeps-a-layers-kv-cache-unquantized",
         lambda d: None,
         "CompatibilityError",
