@@ -3,15 +3,20 @@
 
 Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
        python tests/scenarios/real_size.py save MODEL_DIR OUT_DIR   (the save alone, in a fresh process)
+       python tests/scenarios/real_size.py load-base CHECKPOINT MAX_TOKENS   (a load through the base alone)
+       python tests/scenarios/real_size.py load-default MODEL_DIR MAX_TOKENS   (vLLM's default loader alone)
 
 Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
 beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
-``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 only), each measuring its
+``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 and ``base="inside"`` only; #34),
+each measuring its
 own peak anonymous memory (``helpers.real_size.AnonymousPeak``) and peak RSS (``VmHWM``; not ``ru_maxrss``,
 which a child inherits from its parent): once for this model,
 once for the tests' tiny Llama (3.4 MB of weights: the baseline, everything a save costs but the
 weights); greedy tokens with vLLM's default loader on the safetensors and with
-``load_format="tensorizer_manifest"`` on the checkpoint, in this process.
+``load_format="tensorizer_manifest"`` on the checkpoint, in this process; and, in a fresh process measured as
+the save is, the checkpoint loaded with every layer through its base (``source: base``), and the source loaded
+by vLLM's default loader (the two at once: neither figure depends on the CPU time each gets).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def save_alone(model_dir: str, out_dir: str) -> None:
 
     start = time.perf_counter()
     with AnonymousPeak() as anonymous:
-        save_checkpoint(model_dir, out_dir, dtype=DTYPE)
+        save_checkpoint(model_dir, out_dir, dtype=DTYPE, base="inside")
     seconds = time.perf_counter() - start
     peak_mb = peak_rss_mib()
     ru_maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # includes the parent's peak
@@ -47,16 +52,33 @@ def save_alone(model_dir: str, out_dir: str) -> None:
     print(SAVE_MARK + json.dumps({**figures, "ru_maxrss_mb": ru_maxrss_mb}))
 
 
-def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
+def load_alone(model: str, max_tokens: int, through_base: bool) -> None:
+    """A load and nothing else, its peak memory this process's, with its tokens and report: the checkpoint with
+    every layer through its base (``source: base``), or the source with vLLM's default loader."""
+    from helpers.real_size import DTYPE, AnonymousPeak, peak_rss_mib
+
+    from tensorizer_manifest.cli.demo import generate_tokens
+
+    report: dict = {}
+    load = {"load_format": "tensorizer_manifest", "report": report, "loader_config": {"source": "base"}}
+    with AnonymousPeak() as anonymous:
+        tokens, _, seconds = generate_tokens(model, max_tokens=max_tokens, dtype=DTYPE, max_num_seqs=3,
+                                             **(load if through_base else {}))  # fmt: skip
+    figures = {"seconds": seconds, "peak_anon_mb": anonymous.peak_mib, "peak_rss_mb": peak_rss_mib()}
+    keep = ("source", "why", "tensors_read", "tensors_in_base", "bytes_read", "post_load")
+    print(SAVE_MARK + json.dumps({**figures, "tokens": tokens, "report": {k: report.get(k) for k in keep}}))
+
+
+def start_alone(*args: str) -> subprocess.Popen:
+    """This script again, in a fresh process that does one thing (``save``, ``load-base``) and measures it."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
     shutil.rmtree(out_dir, ignore_errors=True)
-    return subprocess.Popen(
-        [sys.executable, __file__, "save", str(model_dir), str(out_dir)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_alone("save", str(model_dir), str(out_dir))
 
 
 def finish_save(proc: subprocess.Popen) -> dict:
@@ -110,11 +132,16 @@ def main() -> None:
     lap("reference")
     save = finish_save(save_proc)
     lap("save")
+    # every layer through the base, in a process of its own (its peak memory), beside the load from the forms here
+    base_proc = start_alone("load-base", str(out_dir), str(args.max_tokens))
+    default_proc = start_alone("load-default", str(model_dir), str(args.max_tokens))  # the same, measured so
     report: dict = {}
     tokens, _, manifest_start = generate_tokens(
         out_dir, "tensorizer_manifest", args.max_tokens, report=report, **engine
     )
     lap("manifest_load")
+    base_load, default_load = finish_save(base_proc), finish_save(default_proc)
+    lap("base_and_default_loads")
     manifest = json.loads(manifest_file(out_dir).read_text())
     result = {
         "model_dir": str(model_dir),
@@ -122,6 +149,8 @@ def main() -> None:
         "model_bytes": model_bytes,
         "tiny_model_bytes": tiny_bytes,
         "save": save,
+        "base_load": base_load,
+        "default_load": default_load,
         "baseline_save": baseline,
         "baseline_mb": baseline["peak_rss_mb"] - tiny_bytes / 2**20,
         "baseline_anon_mb": baseline["peak_anon_mb"] - tiny_bytes / 2**20,
@@ -138,9 +167,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "save":
+    if len(sys.argv) > 1 and sys.argv[1] in ("save", "load-base", "load-default"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        save_alone(sys.argv[2], sys.argv[3])
+        if sys.argv[1] == "save":
+            save_alone(sys.argv[2], sys.argv[3])
+        else:
+            load_alone(sys.argv[2], int(sys.argv[3]), through_base=sys.argv[1] == "load-base")
     else:
         main()
     sys.stdout.flush()
