@@ -52,7 +52,7 @@ _MISSING = object()
 
 #: The vLLM releases a test ran (also in README.md). Others are not refused as such: a private name gone or
 #: changed is (``private``), where it is used.
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = ">=0.31,<0.33"
 
 
 def vllm_version() -> str:
