@@ -58,8 +58,8 @@ def crossed(older_vllm_python, e2e_dir) -> dict:
     from vllm import __version__ as this_vllm
 
     run_script(script, str(work), "--save", marker=marker, timeout=1800)
-    older = run_script(script, str(work), "--save", "--load", str(work / f"by-{this_vllm}"), marker=marker,
-                       timeout=1800, python=str(older_vllm_python))  # fmt: skip
+    older = run_script(script, str(work), "--save", "--without-base-too", "--load", str(work / f"by-{this_vllm}"),
+                       marker=marker, timeout=1800, python=str(older_vllm_python))  # fmt: skip
     assert older["vllm"] == OLDER_VLLM
     here = run_script(script, str(work), "--load", str(work / f"by-{OLDER_VLLM}"), marker=marker, timeout=1800)
     return {"here": here["load"], "older": older["load"]}

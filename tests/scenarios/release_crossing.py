@@ -1,13 +1,14 @@
 """Checkpoints crossing vLLM releases through their base (#34): run in each release's environment.
 
-Usage: python tests/scenarios/release_crossing.py WORKDIR [--save] [--load OTHER_RELEASE_DIR]
+Usage: python tests/scenarios/release_crossing.py WORKDIR [--save [--without-base-too]] [--load OTHER_RELEASE_DIR]
 
 ``WORKDIR/models`` holds the tiny models (built by the first run; the other release reads the same files).
 ``--save``: for this vLLM release, ``WORKDIR/by-<version>/<kind>``, a checkpoint with its base of each kind (a
-Llama in bf16, W8A8 int8, Qwen3-MoE), and ``qwen3-moe-no-base``, a checkpoint without one (its experts' raw
-fallbacks only); and this release's default loader's tokens and whole state of each model (``WORKDIR/reference-
-<version>.json``). ``--load DIR``: each checkpoint in DIR (another release saved them) loaded here by the manifest
-loader, with its tokens, state and load report, beside this release's reference.
+Llama in bf16, W8A8 int8, Qwen3-MoE), with ``--without-base-too`` also ``qwen3-moe-no-base``, a checkpoint
+without one (its experts' raw fallbacks only); and this release's default loader's tokens and whole state of
+each model (``WORKDIR/reference-<version>.json``). ``--load DIR``: each checkpoint in DIR (another release saved
+them) loaded here by the manifest loader, with its tokens, state and load report, beside this release's
+reference.
 
 Prints ``CROSSING_RESULT {json}``.
 """
@@ -30,8 +31,9 @@ def _models(workdir: Path) -> dict[str, str]:
     return {kind: str(build_tiny_model(workdir / "models" / kind, kind)) for kind in KINDS}  # type: ignore[arg-type]
 
 
-def save(workdir: Path, version: str) -> dict:
-    """This release's checkpoints of every model, and its default loader's run of each."""
+def save(workdir: Path, version: str, without_base: bool) -> dict:
+    """This release's checkpoints of every model (``without_base``: the MoE without a base too), and its default
+    loader's run of each."""
     from scenarios.base_layouts import engine_run
     from tensorizer_manifest.save.from_source import save_checkpoint
 
@@ -39,7 +41,8 @@ def save(workdir: Path, version: str) -> dict:
     out = workdir / f"by-{version}"
     for kind, model_dir in models.items():
         save_checkpoint(model_dir, str(out / kind), dtype="bfloat16", max_model_len=128, base="inside")
-    save_checkpoint(models["qwen3-moe"], str(out / "qwen3-moe-no-base"), dtype="bfloat16", max_model_len=128)
+    if without_base:
+        save_checkpoint(models["qwen3-moe"], str(out / "qwen3-moe-no-base"), dtype="bfloat16", max_model_len=128)
     reference = {kind: engine_run(model_dir, "auto") for kind, model_dir in models.items()}
     (workdir / f"reference-{version}.json").write_text(json.dumps(reference))
     return {"saved": sorted(p.name for p in out.iterdir())}
@@ -72,7 +75,7 @@ def main() -> dict:
     version = str(vllm.__version__)
     result: dict = {"vllm": version}
     if "--save" in sys.argv:
-        result["save"] = save(workdir, version)
+        result["save"] = save(workdir, version, without_base="--without-base-too" in sys.argv)
     if "--load" in sys.argv:
         result["load"] = load(workdir, version, Path(sys.argv[sys.argv.index("--load") + 1]))
     return result
