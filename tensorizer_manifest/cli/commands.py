@@ -270,7 +270,8 @@ def _say_generation(path, remote: dict) -> None:
         _fail(exc)
     console().print(
         f"  base: {len(base.tensors)} source tensors ({base.tensor_file.size:,} bytes, observed at "
-        f"tp={base.observed.tp}): any other tensor- or pipeline-parallel size loads through it",
+        f"tp={base.observed.tp}): any other tensor- or pipeline-parallel size, and another vLLM release, loads "
+        "through it",
         highlight=False,
     )
 
