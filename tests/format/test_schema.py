@@ -322,3 +322,25 @@ def test_the_checked_in_v2_checkpoint_still_reads_and_validates():
     # its form records no base (forms gained it later): loaders skip it, and validate says so
     assert manifest.added_forms[0].base is None
     assert [w for w in report.warnings if "does not record the raw fallbacks" in w and "loaders skip it" in w]
+
+
+def test_the_checked_in_v3_checkpoint_with_a_base_still_reads_and_validates():
+    """Written by 0.5.0.dev0 with vLLM 0.32.0 (a one-layer Llama in bf16, ``save --base inside``: one generation,
+    the TP=1 form set and the base); never regenerate it: later versions must keep reading it, its base included,
+    as this one does."""
+    from tensorizer_manifest.storage.checkpoint import load_base, load_generation
+
+    directory = Path(__file__).parents[1] / "fixtures" / "v3-checkpoint"
+    generation, _ = load_generation(directory)
+    assert generation.made_by == "save" and generation.parent is None
+    assert [(s.layout.tp, s.layout.pp, s.fingerprint.vllm_version) for s in generation.form_sets] == [(1, 1, "0.32.0")]
+    base, _, _ = load_base(directory, generation)
+    assert generation.base.mode == "inside" and base.observed.tp == 1
+    assert len(base.tensors) == 12 and base.consumers["model.embed_tokens.weight"] == ["model.embed_tokens"]
+    manifest, _ = load_manifest(directory)
+    assert manifest.producer == "tensorizer-manifest 0.5.0.dev0"
+    stub = json.loads((directory / "model.manifest.json").read_text())  # what readers of 0.4 and older meet
+    assert stub == {"format_version": 3, "pointer": "tensorizer-manifest.json"}
+    report = validate_checkpoint(directory)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored == manifest.tensor_file.tensor_count + len(base.tensors)
