@@ -213,6 +213,7 @@ def inspect(location: str, json: bool, **remote) -> None:
 
     LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either
     (only the manifest is read)."""
+    from ..format.generation import BASE_DOCUMENT
     from ..storage.checkpoint import load_manifest
     from .summary import as_json, render
 
@@ -228,12 +229,35 @@ def inspect(location: str, json: bool, **remote) -> None:
         _say_generation(path, remote)
         if not isinstance(path, Path) or not isinstance(manifest_path, Path):
             return
-        others = sorted(p.name for p in manifest_path.parent.glob("*.manifest.json") if p != manifest_path)
+        others = sorted(
+            p.name
+            for p in manifest_path.parent.glob("*.manifest.json")
+            if p != manifest_path and p.name != BASE_DOCUMENT  # the base is no rank's: `_say_generation` shows it
+        )
         if path.is_dir() and others:
             console().print(
                 f"(this directory holds {len(others) + 1} rank manifests; "
                 f"inspect the others by file: {', '.join(others)})"
             )
+
+
+def _processed_layers(root, generation, form_set, remote) -> str:
+    """How many of a form set's layers load processed (every rank's manifest): the others run vLLM's step."""
+    from ..storage.checkpoint import load_manifest
+
+    states: dict[str, set[str]] = {}
+    try:
+        for rank in form_set.ranks:
+            manifest, _ = load_manifest(root, rank.stem, remote=remote, generation=generation, follow_pointer=False)
+            for module in manifest.modules:
+                states.setdefault(module.path, set()).add(module.state)
+    except TensorizerManifestError as exc:
+        return f"its rank manifests cannot be read ({exc})"
+    processed = sorted(path for path, state in states.items() if state == {"processed"})
+    raw = len(states) - len(processed)
+    return f"{len(processed)} of {len(states)} layers processed" + (
+        f" ({raw} raw: vLLM's step runs on them at load)" if raw else ""
+    )
 
 
 def _say_generation(path, remote: dict) -> None:
@@ -256,9 +280,10 @@ def _say_generation(path, remote: dict) -> None:
         fingerprint = form_set.fingerprint
         features = " ".join(fingerprint.cpu_features)
         machine = f"{fingerprint.device_type} [{features}]" if features else fingerprint.device_type
+        layers = _processed_layers(root, generation, form_set, _remote(**remote))
         console().print(
             f"  processed for tp={form_set.layout.tp} pp={form_set.layout.pp} on {machine}, vLLM "
-            f"{fingerprint.vllm_version}, {fingerprint.dtype}",
+            f"{fingerprint.vllm_version}, {fingerprint.dtype}: {layers}",
             highlight=False,
         )
     if generation.base is None:

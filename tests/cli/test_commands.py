@@ -387,6 +387,9 @@ def test_inspect_shows_the_base_and_validate_checks_its_file(tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert "processed for tp=1 pp=1 on cpu" in shown.stdout
     assert "base: 4 source tensors" in shown.stdout and "any other tensor- or pipeline-parallel size" in shown.stdout
+    states = [m.state for m in manifest.modules]
+    assert f"{states.count('processed')} of {len(states)} layers processed" in shown.stdout
+    assert "base.manifest.json" not in shown.stdout  # the base is no rank's manifest
     checked = run("validate", str(root), "--json")
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
