@@ -32,6 +32,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("model", "model_config", "target_device")),
     ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader._init_ep_weight_filter",
      ("self", "model_config")),
+    ("vllm.model_executor.model_loader.ep_weight_filter", "should_skip_weight", ("weight_name", "local_expert_ids")),
     ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "_get_isa_hint", ()),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
      ("self", "layer")),
@@ -430,6 +431,22 @@ def apply_expert_parallel_filter(loader: Any, vllm_config: Any) -> None:
     init_filter = private(loaders, "DefaultModelLoader._init_ep_weight_filter")
     with set_current_vllm_config(vllm_config):
         init_filter(loader, vllm_config.model_config)
+
+
+def other_ranks_experts(vllm_config: Any) -> Callable[[str], bool] | None:
+    """vLLM's default loader's expert-parallel read filter, for a loader that is not it (the base's): whether a
+    source tensor is another rank's expert weight, which this rank does not read; None without expert
+    parallelism (or with EPLB, which needs every expert: vLLM's rule)."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    loader = DefaultModelLoader(LoadConfig())
+    apply_expert_parallel_filter(loader, vllm_config)
+    local = loader.local_expert_ids
+    if local is None:
+        return None
+    skip = private("vllm.model_executor.model_loader.ep_weight_filter", "should_skip_weight")
+    return lambda name: bool(skip(name, local))
 
 
 def _model_parallel_groups() -> list[Any]:

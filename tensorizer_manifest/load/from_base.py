@@ -39,12 +39,15 @@ def load_from_base(
     *,
     verify_hashes: bool = True,
     around_steps: Callable[[torch.nn.Module, Callable[[], None]], None] | None = None,
+    not_this_ranks: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Fill this rank's layers from the base and run vLLM's post-load step once on each; returns the report.
     ``around_steps(model, run_steps)`` runs the steps itself, around what it observes (``add-form`` at this
-    layout records the processed form they make, as the capture loader does at a save)."""
+    layout records the processed form they make, as the capture loader does at a save). ``not_this_ranks(name)``:
+    a source tensor this rank does not read although its layer took it at the save (with expert parallelism,
+    another rank's experts: vLLM's default loader's own filter)."""
     live = live_modules(model)
-    needed = base.needed_by(live)
+    needed = [record for record in base.needed_by(live) if not_this_ranks is None or not not_this_ranks(record.name)]
     expected = {record.name: record for record in needed}
     observer = SourceObserver(Layout(), content_hashes=verify_hashes)
     with observer.watching(model):

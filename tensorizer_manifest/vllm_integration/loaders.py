@@ -432,6 +432,7 @@ class ManifestModelLoader(BaseModelLoader):
                     target_device,
                     verify_hashes=options.verify_hashes,
                     around_steps=observe if options.add_form else None,
+                    not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config),
                 )
             clock.lap("read_and_post_load")
         summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted, "why": why}

@@ -38,7 +38,8 @@ def test_a_moe_saved_at_tp1_loads_with_expert_parallelism_through_the_base(quant
         )
     same_as_the_default_loader(run, tokens=False)
     first, second = loaded_from_the_base(run)
-    assert first["tensors_read"] == second["tensors_read"] == first["tensors_in_base"]  # every expert's, as vLLM's
+    # each rank reads its own experts' weights only, as vLLM's default loader does with enable_ep_weight_filter
+    assert first["tensors_read"] < first["tensors_in_base"] and second["tensors_read"] < second["tensors_in_base"]
     mine, theirs = run["loaded"]["states"]
     experts = [name for name in mine if name.endswith("w13_weight")]
     assert experts and all(mine[name] != theirs[name] for name in experts), "both ranks hold the same experts"

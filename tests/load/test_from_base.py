@@ -142,3 +142,11 @@ def test_parameters_vllm_exempts_from_its_own_completeness_check_are_exempt_here
     grown.extra.scale = torch.nn.Parameter(torch.ones(2), requires_grad=False)
     _, report = load(*base, model=grown)
     assert report["layers_fed"] == ["norm", "proj"]
+
+
+def test_a_tensor_another_rank_reads_is_not_read_here(base):
+    """With expert parallelism vLLM's default loader reads only this rank's experts; the base is read the same way
+    (``not_this_ranks``, vLLM's own filter in ``_vllm_compat.other_ranks_experts``)."""
+    model, report = load(*base, not_this_ranks=lambda name: name == "proj.b")
+    assert report["tensors_read"] == 2 and report["bytes_read"] == (2 * 3 + 3) * 4
+    assert torch.equal(model.proj.weight[:2], dict(source())["proj.a"]) and not model.proj.weight[2:].any()

