@@ -436,10 +436,14 @@ def apply_expert_parallel_filter(loader: Any, vllm_config: Any) -> None:
 def other_ranks_experts(vllm_config: Any) -> Callable[[str], bool] | None:
     """vLLM's default loader's expert-parallel read filter, for a loader that is not it (the base's): whether a
     source tensor is another rank's expert weight, which this rank does not read; None without expert
-    parallelism (or with EPLB, which needs every expert: vLLM's rule)."""
+    parallelism or its filter (``enable_ep_weight_filter``, off by default), or with EPLB, which needs every
+    expert: vLLM's rules. The private names are touched only when the filter is on: the base's load needs none."""
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    parallel = vllm_config.parallel_config
+    if not (getattr(parallel, "enable_expert_parallel", False) and getattr(parallel, "enable_ep_weight_filter", False)):
+        return None
     loader = DefaultModelLoader(LoadConfig())
     apply_expert_parallel_filter(loader, vllm_config)
     local = loader.local_expert_ids
