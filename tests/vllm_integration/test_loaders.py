@@ -151,3 +151,33 @@ def test_a_tensorizer_uri_must_be_a_tensor_file_its_manifest_names(tmp_path):
         ConfigurationError, match=f"names model.tensors.*names its tensor file {manifest.tensor_file.path}"
     ):
         check_named_tensor_file(manifest, path, "model.tensors")
+
+
+def test_a_form_set_another_vllm_release_made_sends_the_rank_to_the_base_before_anything_is_read(tmp_path):
+    """Its processed tensors and raw fallbacks are in that release's names and shapes; the base is in the source's.
+    Decided from the generation alone: the rank's manifest (here, a path with nothing behind it) is not read."""
+    import msgspec
+    from helpers.synthetic import FINGERPRINT
+
+    from tensorizer_manifest.format import generation as g
+    from tensorizer_manifest.vllm_integration.loaders import LoadOptions, _why_not_its_forms
+
+    manifest = g.FileRef(path="generations/none/model.manifest.json", size=1, hash="blake3:" + "0" * 64)
+    older = msgspec.structs.replace(FINGERPRINT, vllm_version="0.31.0")
+    generation = g.Generation(
+        format_version=3,
+        id="20261204T000000Z-" + "0" * 32,
+        producer="tensorizer-manifest test",
+        made_by="save",
+        form_sets=[g.FormSet(layout=g.Layout(), fingerprint=older, ranks=[g.RankRef(stem="model", manifest=manifest)])],
+    )
+
+    def why(options, fingerprint=FINGERPRINT):
+        return _why_not_its_forms(tmp_path, generation, "model", fingerprint, None, options, None)
+
+    assert why(LoadOptions()) == "its form set at this layout was made by vLLM 0.31.0 (this engine: 0.32.0)"
+    assert why(LoadOptions(source="base")) == "the load options ask for the base (source='base')"
+    from tensorizer_manifest.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="model.manifest.json"):  # the same release: read next
+        why(LoadOptions(), older)
