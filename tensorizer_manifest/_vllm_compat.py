@@ -438,12 +438,12 @@ def other_ranks_experts(vllm_config: Any) -> Callable[[str], bool] | None:
     source tensor is another rank's expert weight, which this rank does not read; None without expert
     parallelism or its filter (``enable_ep_weight_filter``, off by default), or with EPLB, which needs every
     expert: vLLM's rules. The private names are touched only when the filter is on: the base's load needs none."""
-    from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
     parallel = vllm_config.parallel_config
     if not (getattr(parallel, "enable_expert_parallel", False) and getattr(parallel, "enable_ep_weight_filter", False)):
         return None
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
     loader = DefaultModelLoader(LoadConfig())
     apply_expert_parallel_filter(loader, vllm_config)
     local = loader.local_expert_ids

@@ -253,9 +253,9 @@ def _processed_layers(root, generation, form_set, remote) -> str:
                 states.setdefault(module.path, set()).add(module.state)
     except TensorizerManifestError as exc:
         return f"its rank manifests cannot be read ({exc})"
-    processed = sorted(path for path, state in states.items() if state == {"processed"})
-    raw = len(states) - len(processed)
-    return f"{len(processed)} of {len(states)} layers processed" + (
+    processed = sum(state == {"processed"} for state in states.values())
+    raw = len(states) - processed
+    return f"{processed} of {len(states)} layers processed" + (
         f" ({raw} raw: vLLM's step runs on them at load)" if raw else ""
     )
 

@@ -30,6 +30,7 @@ from ..format.generation import (
     GENERATIONS_DIR,
     POINTER_NAME,
     BaseDocument,
+    FormSet,
     Generation,
     Pointer,
     RankRef,
@@ -437,9 +438,14 @@ def _load_rank_manifest(
     return decode_manifest(data, source=str(location)), location
 
 
+def form_set_of(generation: Generation, stem: str) -> FormSet | None:
+    """The form set that has a manifest for this rank's layout and place, or None."""
+    return next((s for s in generation.form_sets if any(rank.stem == stem for rank in s.ranks)), None)
+
+
 def has_rank(generation: Generation, stem: str) -> bool:
     """Whether one of the generation's form sets has a manifest for this rank's layout and place."""
-    return any(rank.stem == stem for form_set in generation.form_sets for rank in form_set.ranks)
+    return form_set_of(generation, stem) is not None
 
 
 def load_base(root: Path | RemoteDir, generation: Generation) -> tuple[BaseDocument, FileLocation, FileLocation]:

@@ -47,6 +47,7 @@ from ..storage.checkpoint import (
     checkpoint_root,
     checkpoint_stem,
     encryption_key_from,
+    form_set_of,
     has_rank,
     load_base,
     load_generation,
@@ -531,7 +532,8 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
     settings."""
     if options.source == "base":
         return "the load options ask for the base (source='base')"
-    if not has_rank(generation, stem):
+    form_set = form_set_of(generation, stem)
+    if form_set is None:
         parallel = vllm_config.parallel_config
         layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets) or "none"
         return (
@@ -541,7 +543,7 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
         )
     if fingerprint is None:
         return f"this vLLM cannot use generation {generation.id}'s forms ({undescribed})"
-    made_by = next(s.fingerprint.vllm_version for s in generation.form_sets if any(r.stem == stem for r in s.ranks))
+    made_by = form_set.fingerprint.vllm_version
     if made_by != fingerprint.vllm_version:  # its raw fallbacks too are in that release's names and shapes
         return f"its form set at this layout was made by vLLM {made_by} (this engine: {fingerprint.vllm_version})"
     manifest, manifest_path = load_manifest(root, stem, remote=options.remote(), generation=generation,

@@ -108,12 +108,10 @@ def test_a_real_size_model_loads_through_its_base_token_exact(real_size):
 
 
 def largest_base_tensor_mib(checkpoint: Path) -> float:
-    from tensorizer_manifest.format.generation import decode_base
-    from tensorizer_manifest.storage.checkpoint import load_generation
+    from tensorizer_manifest.storage.checkpoint import load_base, load_generation
 
-    generation, _ = load_generation(checkpoint)
-    document = decode_base((checkpoint / generation.base.document.path).read_bytes())
-    return max(t.nbytes for t in document.tensors) / MIB
+    base, _, _ = load_base(checkpoint, load_generation(checkpoint)[0])
+    return max(t.nbytes for t in base.tensors) / MIB
 
 
 def test_a_load_through_the_base_peaks_within_vllms_default_loader_plus_one_tensor_in_flight(real_size):

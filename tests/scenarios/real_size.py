@@ -9,14 +9,13 @@ Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
 Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
 beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
 ``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 and ``base="inside"`` only; #34),
-each measuring its
-own peak anonymous memory (``helpers.real_size.AnonymousPeak``) and peak RSS (``VmHWM``; not ``ru_maxrss``,
-which a child inherits from its parent): once for this model,
-once for the tests' tiny Llama (3.4 MB of weights: the baseline, everything a save costs but the
-weights); greedy tokens with vLLM's default loader on the safetensors and with
-``load_format="tensorizer_manifest"`` on the checkpoint, in this process; and, in a fresh process measured as
-the save is, the checkpoint loaded with every layer through its base (``source: base``), and the source loaded
-by vLLM's default loader (the two at once: neither figure depends on the CPU time each gets).
+each measuring its own peak anonymous memory (``helpers.real_size.AnonymousPeak``) and peak RSS (``VmHWM``; not
+``ru_maxrss``, which a child inherits from its parent): once for this model, once for the tests' tiny Llama
+(3.4 MB of weights: the baseline, everything a save costs but the weights); greedy tokens with vLLM's default
+loader on the safetensors and with ``load_format="tensorizer_manifest"`` on the checkpoint, in this process;
+and, in fresh processes measured as the save is, the checkpoint loaded with every layer through its base
+(``source: base``) and the source loaded by vLLM's default loader (the two at once: neither figure depends on
+the CPU time each gets).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
 
-SAVE_MARK = "REAL_SIZE_SAVE "
+ALONE_MARK = "REAL_SIZE_ALONE "
 
 
 def save_alone(model_dir: str, out_dir: str) -> None:
@@ -49,7 +48,7 @@ def save_alone(model_dir: str, out_dir: str) -> None:
     peak_mb = peak_rss_mib()
     ru_maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # includes the parent's peak
     figures = {"seconds": seconds, "peak_anon_mb": anonymous.peak_mib, "peak_rss_mb": peak_mb}
-    print(SAVE_MARK + json.dumps({**figures, "ru_maxrss_mb": ru_maxrss_mb}))
+    print(ALONE_MARK + json.dumps({**figures, "ru_maxrss_mb": ru_maxrss_mb}))
 
 
 def load_alone(model: str, max_tokens: int, through_base: bool) -> None:
@@ -66,11 +65,12 @@ def load_alone(model: str, max_tokens: int, through_base: bool) -> None:
                                              **(load if through_base else {}))  # fmt: skip
     figures = {"seconds": seconds, "peak_anon_mb": anonymous.peak_mib, "peak_rss_mb": peak_rss_mib()}
     keep = ("source", "why", "tensors_read", "tensors_in_base", "bytes_read", "post_load")
-    print(SAVE_MARK + json.dumps({**figures, "tokens": tokens, "report": {k: report.get(k) for k in keep}}))
+    print(ALONE_MARK + json.dumps({**figures, "tokens": tokens, "report": {k: report.get(k) for k in keep}}))
 
 
 def start_alone(*args: str) -> subprocess.Popen:
-    """This script again, in a fresh process that does one thing (``save``, ``load-base``) and measures it."""
+    """This script again, in a fresh process that does one thing (``save``, ``load-base``, ``load-default``) and
+    measures it; ``finish_alone`` reads its figures."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     return subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
@@ -81,11 +81,11 @@ def start_save(model_dir: Path, out_dir: Path) -> subprocess.Popen:
     return start_alone("save", str(model_dir), str(out_dir))
 
 
-def finish_save(proc: subprocess.Popen) -> dict:
+def finish_alone(proc: subprocess.Popen) -> dict:
     stdout, stderr = proc.communicate(timeout=1800)
     for line in reversed(stdout.splitlines()):
-        if line.startswith(SAVE_MARK):
-            return json.loads(line[len(SAVE_MARK) :])
+        if line.startswith(ALONE_MARK):
+            return json.loads(line[len(ALONE_MARK) :])
     raise RuntimeError(f"the save printed no result (exit {proc.returncode}):\n{stderr[-4000:]}")
 
 
@@ -113,7 +113,7 @@ def main() -> None:
     baseline_proc = start_save(tiny, baseline_out)
     model_dir = build(args.workdir / "llama-3.2-1b-shaped")
     lap("build")
-    baseline = finish_save(baseline_proc)
+    baseline = finish_alone(baseline_proc)
     shutil.rmtree(baseline_out, ignore_errors=True)
     lap("baseline_save")
     model_bytes, tiny_bytes = weight_bytes(model_dir), weight_bytes(tiny)
@@ -130,7 +130,7 @@ def main() -> None:
     engine = dict(dtype=DTYPE, max_num_seqs=3)
     reference, prompt_lengths, reference_start = generate_tokens(model_dir, "auto", args.max_tokens, **engine)
     lap("reference")
-    save = finish_save(save_proc)
+    save = finish_alone(save_proc)
     lap("save")
     # every layer through the base, in a process of its own (its peak memory), beside the load from the forms here
     base_proc = start_alone("load-base", str(out_dir), str(args.max_tokens))
@@ -140,7 +140,7 @@ def main() -> None:
         out_dir, "tensorizer_manifest", args.max_tokens, report=report, **engine
     )
     lap("manifest_load")
-    base_load, default_load = finish_save(base_proc), finish_save(default_proc)
+    base_load, default_load = finish_alone(base_proc), finish_alone(default_proc)
     lap("base_and_default_loads")
     manifest = json.loads(manifest_file(out_dir).read_text())
     result = {
