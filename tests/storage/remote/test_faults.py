@@ -427,13 +427,17 @@ def test_the_proxy_leaves_nothing_running(moto_s3):
 # -- a server that stops answering without closing the connection -------------------------------------------------
 
 STALL_S = 2.0
+#: The stall timeout where the reads go through moto and the fault proxy: a stall there must come from the fault,
+#: and on a busy 2-core machine moto (a Python server) and the proxy once took over 2 s to answer the manifest's
+#: HEAD (stop 42's CI), a stall before the fault was ever reached.
+STALL_THROUGH_MOTO_S = 6.0
 #: A stalled read must fail within the stall timeout and this much more: curl averages its speed over the last
 #: 5 seconds, so a stream that stops mid-transfer is seen up to about 6 s late; a busy machine is slow to start
 #: curl and boto3, and the load's own checks run first.
 STALL_SLACK_S = 12.0
 
 
-def bounded(call) -> tuple[BaseException | None, float]:
+def bounded(call, timeout_s: float = STALL_S) -> tuple[BaseException | None, float]:
     """``call()`` in a thread: what it raised (None: nothing) and how long it took; a test failure when it is
     still running after the stall timeout and the slack (the read hangs). Stopping the server then ends it."""
     outcome: dict[str, BaseException] = {}
@@ -447,17 +451,18 @@ def bounded(call) -> tuple[BaseException | None, float]:
     thread = threading.Thread(target=run, daemon=True)
     began = time.monotonic()
     thread.start()
-    thread.join(STALL_S + STALL_SLACK_S)
-    assert not thread.is_alive(), f"still reading {STALL_S + STALL_SLACK_S:.0f} s after the server stopped answering"
+    thread.join(timeout_s + STALL_SLACK_S)
+    assert not thread.is_alive(), f"still reading {timeout_s + STALL_SLACK_S:.0f} s after the server stopped answering"
     return outcome.get("error"), time.monotonic() - began
 
 
 def assert_stalled(error: BaseException | None, elapsed: float, uri: str, options: RemoteOptions) -> None:
+    timeout_s = options.stall_timeout_s or STALL_S  # None: set through the environment, to STALL_S
     assert isinstance(error, RemoteStalledError), repr(error)
-    assert STALL_S - 0.5 <= elapsed <= STALL_S + STALL_SLACK_S, elapsed  # the timeout ended it, nothing else
+    assert timeout_s - 0.5 <= elapsed <= timeout_s + STALL_SLACK_S, elapsed  # the timeout ended it, nothing else
     text = str(error)
     assert_clean_message(error, uri, options)
-    assert f"nothing for {STALL_S:g} s" in text and STALL_TIMEOUT_ENV in text and "check the server" in text, text
+    assert f"nothing for {timeout_s:g} s" in text and STALL_TIMEOUT_ENV in text and "check the server" in text, text
 
 
 _HEADERS = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: 100\r\n\r\n"
@@ -501,11 +506,11 @@ def test_a_stream_that_stalls_mid_load_is_stalled_for_its_reader_only(saved, pro
     it, through the same proxy, is untouched. The stalled stream is not re-opened."""
     caplog.set_level(logging.DEBUG, logger="tensorizer_manifest")
     proxy.add(Fault(path=saved["name"], client=key_id(0), ranged=False, stall_after=data_offset(saved)))
-    stalled = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_S)
+    stalled = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_THROUGH_MOTO_S)
     read = load if how == "load" else partial(load_tensors, num_readers=1)
     with ThreadPoolExecutor(1) as pool:
         clean = pool.submit(read, saved["uri"], reader_options(proxy.url, 1))
-        error, elapsed = bounded(lambda: read(saved["uri"], stalled))
+        error, elapsed = bounded(lambda: read(saved["uri"], stalled), STALL_THROUGH_MOTO_S)
         state = clean.result(timeout=60)
     expected = saved["state"] if how == "load" else load_tensors(saved["uri"], reader_options(proxy.url, 2), 1)
     assert same_state(state, expected)
@@ -519,7 +524,7 @@ def test_a_stream_that_stalls_mid_load_is_stalled_for_its_reader_only(saved, pro
 def test_a_parallel_reader_whose_range_stalls_is_stalled(saved, proxy):
     """tensorizer's second reader opens a ranged request of its own (a fork of the stream): the server
     answers its headers and nothing more; the load fails with ``RemoteStalledError``, not a hang."""
-    options = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_S)
+    options = RemoteOptions(key_id(0), SECRET, proxy.url, stall_timeout_s=STALL_THROUGH_MOTO_S)
     manifest, manifest_path = load_manifest(saved["uri"], remote=options)
 
     def read() -> None:
@@ -528,7 +533,7 @@ def test_a_parallel_reader_whose_range_stalls_is_stalled(saved, proxy):
             proxy.add(Fault(path=saved["name"], ranged=True, stall_after=0, times=10))
             restore_tensors(fresh_synthetic_model(), manifest, reader)
 
-    error, elapsed = bounded(read)
+    error, elapsed = bounded(read, STALL_THROUGH_MOTO_S)
     assert_stalled(error, elapsed, f"{saved['uri']}/{saved['name']}", options)
     assert any(r.fault == "stalled after 0" for r in proxy.matching("GET", saved["name"]) if r.range)
 
