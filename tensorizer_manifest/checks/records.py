@@ -18,6 +18,7 @@ from ..format.schema import (
     REPLAY_POST_LOAD,
     EncryptionKey,
     Manifest,
+    ModuleRecord,
     SigningKey,
     TensorFileRef,
     TensorRecord,
@@ -25,8 +26,10 @@ from ..format.schema import (
     digest_line,
     digest_of_lines,
     fallback_name,
+    fed_from_base,
     form_base,
     full_name,
+    held_by_base,
     required_format_version,
 )
 from ..restorers import known_replays
@@ -79,8 +82,10 @@ def _check_module_replay(module, known: set[str], problem) -> None:
 class _Records:
     """The records of one tensor file, checked as they are added, its digest taken in the same pass."""
 
-    def __init__(self, problem):
+    def __init__(self, problem, base_available: bool = False):
         self.problem = problem
+        self.base_available = base_available
+        """Records held by the base (``held_by_base``) may be here: the manifest is in a generation with one."""
         self.by_name: dict[str, TensorRecord] = {}
         self.by_key: dict[str, TensorRecord] = {}
         self.digest_lines: list[str] = []
@@ -99,8 +104,12 @@ class _Records:
             if record.key in self.by_key:
                 problem(ManifestError, f"tensor file key {record.key!r} is used twice")
             self.by_key[record.key] = record
-        elif record.nbytes:
-            problem(ManifestError, f"tensor {name!r} has {record.nbytes} bytes but no tensor file key")
+        elif record.nbytes and not self.base_available:
+            problem(
+                ManifestError,
+                f"tensor {name!r} has {record.nbytes} bytes but no tensor file key (a tensor the base holds, in a "
+                "checkpoint without one: it was edited, or its generation's base is gone); save the checkpoint again",
+            )
         self.by_name.setdefault(name, record)
 
     def check_bound_to(self, ref: TensorFileRef, what: str) -> None:
@@ -124,9 +133,11 @@ def check_manifest(
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
     check_the_seal: bool = True,
+    base_available: bool = False,
 ) -> tuple[list[Problem], dict[str, TensorRecord]]:
     """The seal (unless ``check_the_seal`` is false), then record-level checks; returns problems and the stored
-    records of the main tensor file by key (``check_added_forms`` gives each added form's)."""
+    records of the main tensor file by key (``check_added_forms`` gives each added form's). ``base_available``:
+    the manifest is a rank of a generation with a base, so layers may be fed from it (``held_by_base``)."""
     problems: list[Problem] = []
     where = str(manifest_path)
 
@@ -137,7 +148,7 @@ def check_manifest(
     if sealed is not None:
         problem(*sealed)
 
-    records = _Records(problem)
+    records = _Records(problem, base_available)
     paths: set[str] = set()
     known = known_replays()
     for module in manifest.modules:
@@ -145,6 +156,7 @@ def check_manifest(
             problem(ManifestError, f"module {module.path!r} is recorded twice")
         paths.add(module.path)
         _check_module_replay(module, known, problem)
+        _check_fed_from_base(module, problem)
         for record in module.tensors:
             records.add(full_name(module.path, record.name), record)
     for module in manifest.modules:  # the raw fallbacks, after every layer's own tensors (as in the file)
@@ -163,6 +175,14 @@ def check_manifest(
         )
     records.check_bound_to(manifest.tensor_file, "the manifest")
     return problems, records.by_key
+
+
+def _check_fed_from_base(module: ModuleRecord, problem) -> None:
+    """A layer fed from the base takes all its tensors from it (own or fallback), never some of them. (That they
+    are what vLLM's weight loaders make from the base is checked as they are fed: ``from_base.feed_layers``.)"""
+    for what, records in (("tensors", module.tensors), ("raw fallback", module.fallback)):
+        if fed_from_base(records) and not all(held_by_base(record) or record.nbytes == 0 for record in records):
+            problem(ManifestError, f"layer {module.path!r}: some of its {what} are in the base, some not (all or none)")
 
 
 def check_base(base: BaseDocument, where: FileLocation) -> tuple[list[Problem], dict[str, TensorRecord]]:

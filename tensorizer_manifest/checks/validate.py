@@ -148,10 +148,12 @@ def open_checked_forms(
     encryption_key: EncryptionKey | None = None,
     device: str = "cpu",
     num_readers: int | None = None,
+    base_available: bool = False,
 ) -> Iterator[CheckedFiles]:
-    """``open_checked`` for the main tensor file, and the added forms' files ready to be opened as chosen."""
+    """``open_checked`` for the main tensor file, and the added forms' files ready to be opened as chosen.
+    ``base_available``: the manifest is a rank of a generation with a base, which may hold some of its layers."""
     by_key, form_problems, forms_by_key = _check_manifest_for_loading(
-        manifest, manifest_path, signing_key, encryption_key
+        manifest, manifest_path, signing_key, encryption_key, base_available
     )
 
     def open_one(ref: TensorFileRef, records: dict[str, TensorRecord]) -> TensorFileReader:
@@ -244,10 +246,13 @@ def _check_manifest_for_loading(
     manifest_path: FileLocation,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
+    base_available: bool = False,
 ) -> tuple[dict[str, TensorRecord], list[list[Problem]], list[dict[str, TensorRecord]]]:
     """The manifest's own checks and its keys, raised; returns its stored records by key, and each added form's
     problems (left to the caller: a loader skips such a form) and stored records by key."""
-    problems, by_key = check_manifest(manifest, manifest_path, signing_key, encryption_key)
+    problems, by_key = check_manifest(
+        manifest, manifest_path, signing_key, encryption_key, base_available=base_available
+    )
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
     keys = check_encryption(manifest, encryption_key)
     if keys is not None:
@@ -297,15 +302,22 @@ def validate_checkpoint(
         return ValidationReport(None, None, problems=(Problem(type(exc), str(path), str(exc)),))
     encrypted = manifest.tensor_file.encryption != "none"
     unchecked_seal = seal_needs_encryption_key(manifest, encryption_key)
-    problems, by_key = check_manifest(
-        manifest, manifest_path, signing_key, encryption_key, check_the_seal=not unchecked_seal
-    )
+    problems: list[Problem] = []
     generation_warnings = []
     try:
         current = _generation_of(path, remote)
     except TensorizerManifestError as exc:
         current = None
         problems.append(Problem(type(exc), str(path), str(exc)))
+    found, by_key = check_manifest(
+        manifest,
+        manifest_path,
+        signing_key,
+        encryption_key,
+        check_the_seal=not unchecked_seal,
+        base_available=current is not None and current[1].base is not None,
+    )
+    problems = found + problems
     if current is not None:
         found, generation_warnings = generation_problems(*current, manifest, signing_key, encryption_key)
         problems += [Problem(kind, where, message) for kind, where, message in found]

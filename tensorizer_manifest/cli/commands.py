@@ -243,20 +243,26 @@ def inspect(location: str, json: bool, **remote) -> None:
 
 def _processed_layers(root, generation, form_set, remote) -> str:
     """How many of a form set's layers load processed (every rank's manifest): the others run vLLM's step."""
+    from ..format.schema import fed_from_base
     from ..storage.checkpoint import load_manifest
 
     states: dict[str, set[str]] = {}
+    fed: set[str] = set()
     try:
         for rank in form_set.ranks:
             manifest, _ = load_manifest(root, rank.stem, remote=remote, generation=generation, follow_pointer=False)
             for module in manifest.modules:
                 states.setdefault(module.path, set()).add(module.state)
+                if fed_from_base(module.tensors):
+                    fed.add(module.path)
     except TensorizerManifestError as exc:
         return f"its rank manifests cannot be read ({exc})"
     processed = sum(state == {"processed"} for state in states.values())
     raw = len(states) - processed
-    return f"{processed} of {len(states)} layers processed" + (
-        f" ({raw} raw: vLLM's step runs on them at load)" if raw else ""
+    return (
+        f"{processed} of {len(states)} layers processed"
+        + (f" ({raw} raw: vLLM's step runs on them at load)" if raw else "")
+        + (f"; {len(fed)} fed from the base (the form set stores only what vLLM's step changed)" if fed else "")
     )
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import msgspec
 
-from ..format.schema import AddedForm, Manifest, ModuleRecord
+from ..format.schema import AddedForm, Manifest, ModuleRecord, fed_from_base
 
 
 def _short(qualified: str | None) -> str:
@@ -29,6 +29,7 @@ def layer_row(module: ModuleRecord, added: list[tuple[int, ModuleRecord]] = ()) 
         "quant_method": _short(module.quant_method),
         "kernels": [f"{k.attr}={_short(k.kernel_class)}" for k in module.kernels],
         "state": module.state,
+        "from_base": fed_from_base(module.tensors),
         "replay": module.replay,
         "tensors": len(module.tensors),
         "aliases": len(module.tensors) - len(stored),
@@ -81,6 +82,8 @@ def summary(manifest: Manifest) -> dict:
         "layers": len(manifest.modules),
         "raw_layers": states.get("raw", 0),
         "processed_layers": states.get("processed", 0),
+        "layers_fed_from_base": sum(fed_from_base(m.tensors) for m in manifest.modules),
+        "fallbacks_in_base": sum(fed_from_base(m.fallback) for m in manifest.modules),
         "layers_with_fallback": sum(1 for m in manifest.modules if m.fallback),
         "fallback_bytes": sum(t.nbytes for m in manifest.modules for t in m.fallback),
         "added_forms": [
@@ -141,7 +144,8 @@ def render(manifest: Manifest, source: str, console) -> None:
             row["module_class"],
             row["quant_method"],
             "\n".join(row["kernels"]) or "-",
-            "[yellow]raw[/yellow]" if row["state"] == "raw" else "[green]processed[/green]",
+            ("[yellow]raw[/yellow]" if row["state"] == "raw" else "[green]processed[/green]")
+            + (", from the base" if row["from_base"] else ""),
             row["replay"],
             f"{row['tensors']}" + (f" ({row['aliases']} tied)" if row["aliases"] else ""),
             f"{row['bytes']:,}",
@@ -168,6 +172,12 @@ def render(manifest: Manifest, source: str, console) -> None:
         console.print(
             f"added form {index}: {form['layers']} layers in {form['tensor_file']} ({form['bytes']:,} bytes), made "
             f"by vLLM {form['vllm_version']} on {', '.join(form['cpu_features']) or 'a device'}"
+        )
+    if s["layers_fed_from_base"] or s["fallbacks_in_base"]:
+        console.print(
+            f"{s['layers_fed_from_base']} layers (and {s['fallbacks_in_base']} raw fallbacks) are the base's: their "
+            "tensors are as vLLM's weight loaders make them from the source, so the base feeds them at load and this "
+            "file stores only what vLLM's step changed"
         )
     console.print(
         f"{s['layers']} layers: {s['processed_layers']} processed, {s['raw_layers']} raw; "

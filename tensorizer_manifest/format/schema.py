@@ -335,6 +335,20 @@ class Manifest(_Struct, kw_only=True):
         return [(index, form) for index, form in enumerate(self.added_forms) if isinstance(form, AddedForm)]
 
 
+def held_by_base(record: TensorRecord) -> bool:
+    """Whether this record's bytes are not in its tensor file but in the generation's base (#34): a tensor with
+    bytes, no key and no alias. A form set stores only what vLLM's step changed; a layer whose tensors are what
+    vLLM's weight loaders make from the source (a raw layer, one the step left alone, a raw fallback) is fed
+    from the base at load, and its records keep the names, forms and content hashes it must come back with."""
+    return record.key is None and record.alias_of is None and record.nbytes > 0
+
+
+def fed_from_base(records: Iterable[TensorRecord]) -> bool:
+    """Whether a layer's tensors (its own, or its raw fallback) come from the base: any of them does (all of
+    them must: ``checks.records``)."""
+    return any(held_by_base(record) for record in records)
+
+
 #: Prefix of a raw fallback tensor's full name (and key in the tensor file): it never names a module.
 FALLBACK_PREFIX = "fallback:"
 

@@ -8,6 +8,10 @@ the default loader is what the checkpoint adds: only the tensors this rank's lay
 read (a pipeline stage reads its own layers'), each is checked against its content hash before any step runs,
 and every parameter those layers took at the save must be filled again, else the load is refused
 (``IntegrityError`` naming the layer and the parameter): nothing half-loaded is served.
+
+A form set stores only what vLLM's step changed: its other layers (raw, left alone by the step, raw fallbacks)
+are fed from the base the same way at the form set's own layout and release (``feed_layers``), and then hold
+what the save recorded for them, content hashes included, or the load is refused.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 
 from ..errors import IntegrityError
 from ..format.generation import BaseDocument, Layout
+from ..format.schema import ModuleRecord
 from ..model.layers import post_load_steps
-from ..model.sources import SourceObserver
+from ..model.sources import ObservedSource, SourceObserver
+from ..model.tensors import dtype_name, hash_tensor
 from ..storage.tensor_file import TensorFileReader
 from .replay import run_post_load_step
 
@@ -38,28 +44,17 @@ def load_from_base(
     target_device: torch.device,
     *,
     verify_hashes: bool = True,
-    around_steps: Callable[[torch.nn.Module, Callable[[], None]], None] | None = None,
+    around_steps: Callable[[torch.nn.Module, Callable[[], None], dict[str, list[str]]], None] | None = None,
     not_this_ranks: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Fill this rank's layers from the base and run vLLM's post-load step once on each; returns the report.
-    ``around_steps(model, run_steps)`` runs the steps itself, around what it observes (``add-form`` at this
-    layout records the processed form they make, as the capture loader does at a save). ``not_this_ranks(name)``:
+    ``around_steps(model, run_steps, filled)`` runs the steps itself, around what it observes (``add-form`` at this
+    layout records the processed form they make, as the capture loader does at a save; ``filled``: the parameters
+    vLLM's weight loaders filled, by module, which its form set can leave to the base). ``not_this_ranks(name)``:
     a source tensor this rank does not read although its layer took it at the save (with expert parallelism,
     another rank's experts: vLLM's default loader's own filter)."""
     live = live_modules(model)
-    needed = [record for record in base.needed_by(live) if not_this_ranks is None or not not_this_ranks(record.name)]
-    expected = {record.name: record for record in needed}
-    observer = SourceObserver(Layout(), content_hashes=verify_hashes)
-    with observer.watching(model):
-        loaded = model.load_weights(observer.source(reader.stream(keys=[record.key for record in needed])))
-    seen = observer.observed
-    for record in seen.records:
-        if verify_hashes and record.hash != expected[record.name].hash:
-            raise IntegrityError(
-                f"{reader.path.name}: content hash of base tensor {record.name!r} does not match the base; the file "
-                "is damaged: nothing was served. Save the checkpoint again"
-            )
-    _refuse_unfilled(base, seen.loaded, live, model, reader)
+    seen, loaded = _feed(model, base, reader, live, verify_hashes, not_this_ranks)
     if getattr(model_config, "quantization", None) is None and loaded is not None:
         _refuse_unloaded(set(loaded), model, base, reader)
     steps: list[str] = []
@@ -72,7 +67,7 @@ def load_from_base(
     if around_steps is None:
         run_steps()
     else:
-        around_steps(model, run_steps)
+        around_steps(model, run_steps, seen.loaded)
     return {
         "source": "base",
         "tensors_read": len(seen.records),
@@ -83,6 +78,78 @@ def load_from_base(
         "restored": [],
         "verify_hashes": verify_hashes,
     }
+
+
+def feed_layers(
+    model: torch.nn.Module,
+    base: BaseDocument,
+    reader: TensorFileReader,
+    records: list[ModuleRecord],
+    *,
+    verify_hashes: bool = True,
+    not_this_ranks: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
+    """Fill the layers of ``records`` (a form set's layers that it leaves to the base, ``schema.held_by_base``)
+    through the model's ``load_weights``, from the source tensors they took at the save; then each must hold its
+    records' tensors (form, and content hash with ``verify_hashes``): what the same release's weight loaders made
+    at this layout when it was saved. No step runs here: the caller's replay runs each once. Returns counts for
+    the load report."""
+    paths = {record.path for record in records}
+    seen, _ = _feed(model, base, reader, paths, verify_hashes, not_this_ranks)
+    for record in records:
+        _refuse_other_than_saved(model.get_submodule(record.path), record, verify_hashes, reader)
+    return {
+        "layers_fed": sorted(paths),
+        "base_tensors_read": len(seen.records),
+        "base_bytes_read": sum(record.nbytes for record in seen.records),
+    }
+
+
+def _feed(
+    model: torch.nn.Module,
+    base: BaseDocument,
+    reader: TensorFileReader,
+    modules: set[str],
+    verify_hashes: bool,
+    not_this_ranks: Callable[[str], bool] | None,
+) -> tuple[ObservedSource, Any]:
+    """The base tensors that ``modules`` took at the save, through ``load_weights``, each checked against its
+    content hash; every parameter those modules took must be filled again. Returns what was observed and what
+    ``load_weights`` returned."""
+    needed = [t for t in base.needed_by(modules) if not_this_ranks is None or not not_this_ranks(t.name)]
+    expected = {record.name: record for record in needed}
+    observer = SourceObserver(Layout(), content_hashes=verify_hashes)
+    with observer.watching(model):
+        loaded = model.load_weights(observer.source(reader.stream(keys=[record.key for record in needed])))
+    seen = observer.observed
+    for record in seen.records:
+        if verify_hashes and record.hash != expected[record.name].hash:
+            raise IntegrityError(
+                f"{reader.path.name}: content hash of base tensor {record.name!r} does not match the base; the file "
+                "is damaged: nothing was served. Save the checkpoint again"
+            )
+    _refuse_unfilled(base, seen.loaded, modules, model, reader)
+    return seen, loaded
+
+
+def _refuse_other_than_saved(
+    module: torch.nn.Module, record: ModuleRecord, verify_hashes: bool, reader: TensorFileReader
+) -> None:
+    """A layer fed from the base holds what the save recorded for it, or the load is refused."""
+    held = dict(module.named_parameters(recurse=False))
+    for saved in record.tensors:
+        tensor = held.get(saved.name)  # a layer fed from the base has parameters only, no alias (checks.records)
+        form_differs = tensor is None or (
+            (dtype_name(tensor.dtype), list(tensor.shape), list(tensor.stride()), tensor.storage_offset())
+            != (saved.dtype, saved.shape, saved.stride, saved.storage_offset)
+        )
+        if form_differs or (verify_hashes and saved.nbytes and hash_tensor(tensor.data) != saved.hash):
+            raise IntegrityError(
+                f"{reader.path.name}: layer {record.path!r} was fed from the base, and its {saved.name!r} is not "
+                f"what the save recorded ({'its form' if form_differs else 'its content hash'} differs): this vLLM's "
+                "weight loaders do not make it again from the source: nothing was served. Load with "
+                "source='base', or save the checkpoint again"
+            )
 
 
 def _refuse_unfilled(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgspec
 import torch
 
 from .. import _vllm_compat
@@ -149,6 +150,14 @@ class HashChecker:
 
 def _no_check(layer: str) -> None:
     return None
+
+
+def without_layers(manifest: Manifest, paths: set[str]) -> Manifest:
+    """``manifest`` less the layers ``paths`` (those fed from the base, ``from_base.feed_layers``): what the tensor
+    files restore."""
+    if not paths:
+        return manifest
+    return msgspec.structs.replace(manifest, modules=[m for m in manifest.modules if m.path not in paths])
 
 
 def restore_tensors(

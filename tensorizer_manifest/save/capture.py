@@ -58,6 +58,9 @@ class CapturedLayer:
     fallback: dict[str, TensorSlot] = field(default_factory=dict)
     """A processed layer's pre-step tensors, kept when its form is one machine's or one kernel's
     (``CapturePolicy.fallbacks``)."""
+    as_loaded: bool = False
+    """Its ``tensors`` are as vLLM's weight loaders left them: a raw layer's, or a step's that touched none (it
+    made runtime state only). Where the save writes a base, such a layer can be fed from it (``write``)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class Capture:
     """Holds raw layers' pre-step tensors (their slots' ``stored``) until ``close``."""
     source: ObservedSource | None = None
     """What vLLM's loader read and which modules it filled, observed for a base (the first rank, ``base=True``)."""
+    base_fills: dict[str, list[str]] | None = None
+    """Module path -> the parameters vLLM's weight loaders filled from the source on this rank, where the save
+    writes a base: a layer whose tensors are all among them is left to the base (``write.build_manifest``)."""
 
     def close(self) -> None:
         """Release the pre-step copies; the capture cannot be written after this."""
@@ -127,7 +133,15 @@ def classify(
     diff = diff_snapshots(before, after)
     if diff.empty:
         return CapturedLayer(
-            path, module, "processed", REPLAY_NONE, after.tensors, after.kernels, [], "post-load changed nothing"
+            path,
+            module,
+            "processed",
+            REPLAY_NONE,
+            after.tensors,
+            after.kernels,
+            [],
+            "post-load changed nothing",
+            as_loaded=True,
         )
     restorer, why_not = find_restorer(module, diff)
     if restorer is not None and (refused := policy.refuses(restorer)) is not None:
@@ -146,6 +160,7 @@ def classify(
             form=form,
             verified=restorer.verified_for(policy.device_type),
             fallback=before.tensors if policy.keeps_fallback(restorer, form) else {},
+            as_loaded=diff.tensors_untouched,
         )
     # Tensors the step creates (e.g. int8's ``azp_adj``) are runtime state of a raw layer too.
     created = [
@@ -161,6 +176,7 @@ def classify(
         after.kernels,
         created + runtime_attrs(diff, REPLAY_POST_LOAD),
         why_not,
+        as_loaded=True,
     )
 
 

@@ -67,12 +67,19 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     to_store: list[tuple[str, TensorSlot]] = []
     seen: dict[int, str] = {}  # id(tensor) -> full name of the first record holding it
     ordered: list[tuple[str, TensorRecord]] = []
+    fills = capture.base_fills
     for layer in capture.layers:
         records: list[TensorRecord] = []
+        from_base = (
+            fills is not None
+            and layer.as_loaded
+            and _weight_loaders_made(layer.path, layer.tensors, fills)
+            and len({id(slot.tensor) for slot in layer.tensors.values()} - seen.keys()) == len(layer.tensors)
+        )
         for name, slot in layer.tensors.items():
             tensor_name = full_name(layer.path, name)
             alias_of = seen.get(id(slot.tensor))
-            record = _record(name, slot, tensor_name, alias_of)
+            record = _record(name, slot, None if from_base else tensor_name, alias_of)
             if alias_of is None:
                 seen[id(slot.tensor)] = tensor_name
                 if record.key is not None:
@@ -96,9 +103,10 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
         )
     for layer, module in zip(capture.layers, modules, strict=True):
         # Each fallback stores every tensor (no aliases): a layer's choice of form never depends on another's.
+        from_base = fills is not None and _weight_loaders_made(layer.path, layer.fallback, fills)
         for name, slot in layer.fallback.items():
             tensor_name = fallback_name(full_name(layer.path, name))
-            record = _record(name, slot, tensor_name, None)
+            record = _record(name, slot, None if from_base else tensor_name, None)
             if record.key is not None:
                 to_store.append((record.key, slot))
             module.fallback.append(record)
@@ -116,13 +124,24 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     return manifest, to_store
 
 
-def _record(name: str, slot: TensorSlot, tensor_name: str, alias_of: str | None) -> TensorRecord:
+def _weight_loaders_made(path: str, tensors: dict[str, TensorSlot], fills: dict[str, list[str]]) -> bool:
+    """Whether every one of a layer's tensors (before vLLM's step) is a parameter that vLLM's weight loaders
+    filled from the source on this rank: then the same release's ``load_weights`` at this layout makes them again
+    from the base, and the form set need not store them (``schema.held_by_base``)."""
+    filled = set(fills.get(path, ()))
+    return any(slot.tensor.numel() for slot in tensors.values()) and all(
+        name in filled and slot.kind == "parameter" for name, slot in tensors.items()
+    )
+
+
+def _record(name: str, slot: TensorSlot, key: str | None, alias_of: str | None) -> TensorRecord:
+    """``key`` None: a tensor the base holds (``schema.held_by_base``)."""
     return make_record(
         name,
         slot.tensor,
         kind=slot.kind,
         persistent=slot.persistent,
-        key=tensor_name,
+        key=key,
         alias_of=alias_of,
         content_hash=None if slot.stored is None else slot.stored.hash,
     )

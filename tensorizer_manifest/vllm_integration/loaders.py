@@ -27,16 +27,18 @@ from ..checks.validate import open_checked_base, open_checked_forms
 from ..errors import (
     CompatibilityError,
     ConfigurationError,
+    IntegrityError,
     NoManifestError,
     TensorizerManifestError,
     UnsupportedModelError,
     UnsupportedVLLMError,
 )
-from ..format.generation import Generation, Layout, decode_pointer, encode_pointer
+from ..format.generation import BaseDocument, Generation, Layout, decode_pointer, encode_pointer
+from ..format.schema import fed_from_base
 from ..load import replay
 from ..load.forms import choose_forms
-from ..load.from_base import load_from_base
-from ..load.restore import check_model, restore_tensors
+from ..load.from_base import feed_layers, load_from_base
+from ..load.restore import check_model, restore_tensors, without_layers
 from ..model.sources import SourceObserver
 from ..progress import terminal_progress
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, capture_around
@@ -80,13 +82,16 @@ def _log_load(manifest_path: Path, summary: dict) -> None:
     laps = summary["seconds"]
     raw = len({step.rpartition(":")[0] for step in summary["post_load"]})
     logger.info(
-        "Loading weights with tensorizer_manifest took %.2f s (%s): %.1f MB read by %d readers, content hashes %s; "
-        "%d raw layer(s) got vLLM's post-load step (%.2f s of it while reading), %d processed layer(s) restored; "
-        "checks %.3f s, model built %.2f s, read %.2f s, rest of replay and audit %.2f s",
+        "Loading weights with tensorizer_manifest took %.2f s (%s): %.1f MB read by %d readers (%d layer(s) fed "
+        "from the base: %.1f MB of it), content hashes %s; %d raw layer(s) got vLLM's post-load step (%.2f s of it "
+        "while reading), %d processed layer(s) restored; checks %.3f s, model built %.2f s, read %.2f s, rest of "
+        "replay and audit %.2f s",
         sum(laps.values()),
         manifest_path,
-        summary["bytes_read"] / 1e6,
+        (summary["bytes_read"] + summary.get("base_bytes_read", 0)) / 1e6,
         summary["num_readers"],
+        len(summary.get("layers_fed", ())),
+        summary.get("base_bytes_read", 0) / 1e6,
         "checked" if summary["verify_hashes"] else "NOT checked",
         raw,
         summary["step_seconds"]["while_reading"],
@@ -365,6 +370,7 @@ class ManifestModelLoader(BaseModelLoader):
             encryption_key=encryption_key,
             device=str(target_device),
             num_readers=options.num_readers,
+            base_available=generation is not None and generation.base is not None,
         ) as readers:
             unsealed = unsealed_warning(manifest) if signing_key is None and encryption_key is None else None
             if unsealed:
@@ -372,8 +378,9 @@ class ManifestModelLoader(BaseModelLoader):
             check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
             refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))
             clock.lap("check_files")
+            base = None if generation is None else _CheckedBase(root, generation, encryption_key, options)
             model, summary = self._restore_and_replay(
-                vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
+                vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock, base
             )
         summary["encrypted"] = encryption_key is not None
         summary["generation"] = None if generation is None else generation.id
@@ -402,24 +409,19 @@ class ManifestModelLoader(BaseModelLoader):
             )
         captured: list[Capture] = []
 
-        def observe(model: torch.nn.Module, run_steps) -> None:
+        def observe(model: torch.nn.Module, run_steps, filled: dict[str, list[str]]) -> None:
             policy = CapturePolicy(device_type=fingerprint.device_type)
             captured.append(capture_around(model, run_steps, policy, fingerprint))
+            captured[-1].base_fills = filled  # this layout's form set stores only what the steps changed
 
-        base, document, tensor_path = load_base(root, generation)
+        checked_base = _CheckedBase(root, generation, encryption_key, options)
+        base = checked_base.document
         encrypted = base.tensor_file.encryption != "none"
         check_generation(generation, encrypted, signing_key, encryption_key, model_config.model)
         target_device = torch.device(
             vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
         )
-        with open_checked_base(
-            base,
-            document,
-            tensor_path,
-            encryption_key=encryption_key,
-            device=str(target_device),
-            num_readers=options.num_readers,
-        ) as reader:
+        with checked_base.open(target_device) as reader:
             clock.lap("check_files")
             with set_default_torch_dtype(model_config.dtype):
                 with target_device:
@@ -456,10 +458,12 @@ class ManifestModelLoader(BaseModelLoader):
         return model.eval()
 
     def _restore_and_replay(
-        self, vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock
+        self, vllm_config, model_config, prefix, manifest, fingerprint, readers, target_device, options, clock, base
     ):
         """Build the model, choose each layer's form and check the model against them, then read, restore and
-        replay; returns the model and its report. ``readers``: the tensor files (``validate.CheckedFiles``)."""
+        replay; returns the model and its report. ``readers``: the tensor files (``validate.CheckedFiles``);
+        ``base``: the generation's base (``_CheckedBase``, None without one), where the layers the form set leaves
+        to it are fed from, first (``from_base.feed_layers``)."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -494,11 +498,27 @@ class ManifestModelLoader(BaseModelLoader):
                     recorder.layer_ready(record.path, module)
                     replayer.layer_ready(record, module, check_hashes)
 
+            fed = [record for record in manifest.modules if fed_from_base(record.tensors)]
+            fed_report: dict[str, Any] = {}
+            if fed:  # before any other layer is read: a tensor that also feeds a form layer is overwritten there
+                if base is None:  # checks.records refused this already; a loader never feeds from no base
+                    raise IntegrityError(f"{fed[0].path!r} is recorded in the base, and this checkpoint has none")
+                with base.open(target_device) as base_reader:
+                    fed_report = feed_layers(
+                        model,
+                        base.document,
+                        base_reader,
+                        fed,
+                        verify_hashes=options.verify_hashes,
+                        not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config),
+                    )
+                for record in fed:  # its hashes were checked as it was fed
+                    on_layer(record, model.get_submodule(record.path), lambda path: None)
             sources = {path: readers.form(index) for path, index in forms.added.items()}
             with terminal_progress("loading", enabled=options.progress and first_rank()) as progress:
                 nbytes = restore_tensors(
                     model,
-                    manifest,
+                    without_layers(manifest, {record.path for record in fed}),
                     readers.main,
                     verify_hashes=options.verify_hashes,
                     on_layer=on_layer,
@@ -522,7 +542,36 @@ class ManifestModelLoader(BaseModelLoader):
             "overlap_steps": overlap,
             "seconds": clock.laps,
             "step_seconds": {"while_reading": round(overlapped, 6), "total": round(replayer.step_seconds, 6)},
+            **fed_report,
         }
+
+
+class _CheckedBase:
+    """A generation's base, read only when a load needs it: its document checked against the generation
+    (``checkpoint.load_base``), its tensor file checked and opened (``open``)."""
+
+    def __init__(self, root, generation: Generation, encryption_key, options: LoadOptions):
+        self._root, self._generation = root, generation
+        self._encryption_key = encryption_key
+        self._num_readers = options.num_readers
+        self._found: tuple | None = None
+
+    @property
+    def document(self) -> BaseDocument:
+        if self._found is None:
+            self._found = load_base(self._root, self._generation)
+        return self._found[0]
+
+    def open(self, device: torch.device):
+        document = self.document
+        return open_checked_base(
+            document,
+            self._found[1],
+            self._found[2],
+            encryption_key=self._encryption_key,
+            device=str(device),
+            num_readers=self._num_readers,
+        )
 
 
 def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config) -> str | None:
@@ -610,14 +659,18 @@ class CaptureModelLoader(DefaultModelLoader):
             )
         capture = captured[-1]
         capture.stem = rank_stem(vllm_config)
-        capture.source = None if self.observer is None else self.observer.observed
+        if self.observer is not None:  # the first rank's writes the base; each rank's leaves its layers to it
+            capture.source = self.observer.observed if first_rank() else None
+            capture.base_fills = self.observer.observed.loaded
         setattr(model, CAPTURE_ATTR, capture)
         return model
 
 
-def _base_observer(vllm_config) -> SourceObserver | None:
-    """The first rank's observer of the source (the others read the same tensors into the same modules); a
-    layout whose first rank does not see every module is refused, for now, before anything is loaded."""
+def _base_observer(vllm_config) -> SourceObserver:
+    """Every rank's observer of the source: the first rank's records it, content hashes and all, for the base (the
+    others read the same tensors into the same modules); each rank's says which parameters its weight loaders
+    filled, the layers its form set can leave to the base. A layout whose first rank does not see every module is
+    refused, for now, before anything is loaded."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1 or getattr(parallel, "enable_expert_parallel", False):
         raise ConfigurationError(
@@ -625,6 +678,4 @@ def _base_observer(vllm_config) -> SourceObserver | None:
             "with pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at those "
             "layouts through its base), or without a base"
         )
-    if not first_rank():
-        return None
-    return SourceObserver(Layout(tp=parallel.tensor_parallel_size))
+    return SourceObserver(Layout(tp=parallel.tensor_parallel_size), content_hashes=first_rank())

@@ -49,6 +49,27 @@ def test_the_base_names_each_source_tensor_and_the_modules_that_took_it(dense):
     assert consumers["model.layers.1.mlp.up_proj.weight"] == ["model.layers.1.mlp.gate_up_proj"]
 
 
+def test_at_its_own_layout_the_form_set_holds_only_what_vllms_step_changed_the_rest_fed_from_the_base(dense):
+    """Saved with a base, the form set stores only the layers whose tensors vLLM's step changed (here the attention
+    scales and the rotary table, not one weight the source has): the checkpoint is about the source's size. At the
+    saved layout its other layers are fed from the base, checked against what the save recorded; vLLM's step runs
+    once on each raw one and never on a layer a restorer replays; tokens and state are vLLM's own."""
+    run = dense["tp1"]
+    same_as_the_default_loader(run)
+    (report,) = run["loaded"]["reports"]
+    assert report.get("source") != "base" and report["layers_fed"]
+    fed = set(report["layers_fed"])
+    linears = {path for path in fed if path.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    assert len(linears) == 8 and {"model.embed_tokens", "model.norm", "lm_head"} <= fed
+    steps = report["post_load"]
+    assert len(steps) == len(set(steps)), "a post-load step ran twice"
+    stepped = {step.rpartition(":")[0] for step in steps}
+    assert not stepped & set(report["restored"]), "vLLM's step ran on a layer a restorer replayed"
+    assert stepped <= fed  # every layer vLLM's step ran on is a raw one, fed from the base
+    disk = dense["disk"]
+    assert disk["base"] < 1.1 * disk["source"] and disk["model"] < 0.2 * disk["source"], disk
+
+
 def test_saved_at_tp1_loads_at_tp2_through_the_base_token_exact(dense):
     same_as_the_default_loader(dense["tp2"])
     reports = loaded_from_the_base(dense["tp2"])
@@ -109,3 +130,6 @@ def test_a_damaged_base_tensor_is_refused_before_the_engine_serves(dense):
     assert damaged is not None, "an engine served a checkpoint whose base tensor was damaged"
     assert damaged["error"] == "IntegrityError", damaged
     assert f"content hash of base tensor {dense['damaged_tensor']!r}" in damaged["message"]
+    fed = dense["damaged_fed"]  # a plain engine at the saved layout: its form set leaves that layer to the base
+    assert fed is not None and fed["error"] == "IntegrityError", fed
+    assert f"content hash of base tensor {dense['damaged_tensor']!r}" in fed["message"]

@@ -12,8 +12,10 @@ from tensorizer_manifest import _vllm_compat
 from tensorizer_manifest.checks.validate import open_checked_base
 from tensorizer_manifest.errors import IntegrityError
 from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout
-from tensorizer_manifest.load.from_base import load_from_base
+from tensorizer_manifest.format.schema import ModuleRecord
+from tensorizer_manifest.load.from_base import feed_layers, load_from_base
 from tensorizer_manifest.model.sources import SourceObserver
+from tensorizer_manifest.model.tensors import make_record
 from tensorizer_manifest.save.write_base import write_base
 
 
@@ -150,3 +152,43 @@ def test_a_tensor_another_rank_reads_is_not_read_here(base):
     model, report = load(*base, not_this_ranks=lambda name: name == "proj.b")
     assert report["tensors_read"] == 2 and report["bytes_read"] == (2 * 3 + 3) * 4
     assert torch.equal(model.proj.weight[:2], dict(source())["proj.a"]) and not model.proj.weight[2:].any()
+
+
+def layer_records(model: torch.nn.Module, path: str) -> ModuleRecord:
+    """The record a save writes for a layer it leaves to the base: its parameters as the source made them, with
+    no key (``schema.held_by_base``)."""
+    module = model.get_submodule(path)
+    tensors = [
+        make_record(name, p, kind="parameter", persistent=True, key=None) for name, p in module.named_parameters()
+    ]
+    return ModuleRecord(path=path, module_class="Toy", state="raw", replay="post_load", tensors=tensors)
+
+
+def feed(folder, document, records, model=None, **options):
+    model = model or Toy()
+    with open_checked_base(document, folder / BASE_DOCUMENT, folder / document.tensor_file.path) as reader:
+        return model, feed_layers(model, document, reader, records, **options)
+
+
+def test_a_form_set_layer_left_to_the_base_is_fed_alone_and_holds_what_was_saved(base):
+    """One layer of a form set is fed from the base (the other comes from the form set's own file): only the
+    tensors that layer took are read, it holds the source's bytes, the other layer is untouched, no step runs."""
+    saved, _ = load(*base)
+    model, report = feed(*base, [layer_records(saved, "norm")])
+    assert torch.equal(model.norm.weight, saved.norm.weight)
+    assert not model.proj.weight.any()  # not fed: the form set restores it
+    assert report == {"layers_fed": ["norm"], "base_tensors_read": 1, "base_bytes_read": 12}
+
+
+def test_a_fed_layer_that_does_not_come_back_as_saved_is_refused_naming_it(base):
+    """The save recorded the layer as the saving release's weight loaders made it; a loader that makes something
+    else (another release, a loader that leaves a region unwritten) is refused, by content hash, or by form."""
+    saved, _ = load(*base)
+    record = layer_records(saved, "proj")
+    other_bytes = msgspec.structs.replace(record.tensors[0], hash="blake3:" + "0" * 64)
+    with pytest.raises(IntegrityError, match=r"layer 'proj' was fed from the base, and its 'weight'.*content hash"):
+        feed(*base, [msgspec.structs.replace(record, tensors=[other_bytes])])
+    other_form = msgspec.structs.replace(record.tensors[0], shape=[2, 6], stride=[6, 1])
+    with pytest.raises(IntegrityError, match=r"layer 'proj' .*its form differs"):
+        feed(*base, [msgspec.structs.replace(record, tensors=[other_form])])
+    feed(*base, [msgspec.structs.replace(record, tensors=[other_bytes])], verify_hashes=False)  # form only

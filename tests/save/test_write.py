@@ -607,3 +607,78 @@ def test_a_file_system_without_locks_is_a_typed_refusal_and_nothing_is_committed
         write.write_added_form(experts_form_capture(), checkpoint, "model", read_manifest(checkpoint))
     assert str(checkpoint) in str(refused.value)
     assert (checkpoint / MANIFEST).read_bytes() == manifest_bytes
+
+
+def test_with_a_base_the_form_set_stores_only_what_vllms_step_changed():
+    """A layer whose tensors are as vLLM's weight loaders left them, each a parameter they filled on this rank,
+    is left to the base: recorded (form, content hash), not stored. Anything else is stored: a buffer (the
+    loaders never fill one), an alias, a form the step made, a parameter they did not fill. A raw fallback made
+    by the loaders is the base's too. The records then pass the manifest's checks only beside a base."""
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.checks.records import check_manifest
+    from tensorizer_manifest.format.schema import fed_from_base, held_by_base
+    from tensorizer_manifest.save.write import build_manifest
+
+    capture = make_capture(fallbacks=True)
+    for layer in capture.layers:  # the restorer's layers made runtime state only, but the experts' own form
+        layer.as_loaded = layer.path != "model.layers.0.mlp.experts"
+    filled = {
+        "model.embed_tokens": ["weight"],
+        "model.layers.0.mlp.down_proj": ["weight", "weight_scale"],
+        "model.norm": ["weight"],
+        "lm_head": ["weight"],
+        "model.layers.0.mlp.experts": ["w13_weight"],
+    }
+    capture.base_fills = filled
+    manifest, to_store = build_manifest(capture, "model.0123456789abcdef.tensors")
+    layers = manifest.module_map()
+    fed = {path for path, record in layers.items() if fed_from_base(record.tensors)}
+    assert fed == {"model.embed_tokens"}  # down_proj and norm hold a buffer; lm_head is embed's alias
+    assert fed_from_base(layers["model.layers.0.mlp.experts"].fallback)
+    assert not fed_from_base(layers["model.layers.0.mlp.experts"].tensors)
+    stored = {key for key, _ in to_store}
+    assert "model.embed_tokens.weight" not in stored and not any(key.startswith("fallback:") for key in stored)
+    assert {
+        "model.layers.0.mlp.down_proj.weight",
+        "model.norm.weight",
+        "model.layers.0.mlp.experts.w13_weight",
+    } <= stored
+    assert manifest.tensor_file.tensor_count == len(to_store)
+    embed = layers["model.embed_tokens"].tensors[0]
+    assert held_by_base(embed) and embed.nbytes and embed.hash.startswith("blake3:")
+
+    assert check_manifest(manifest, "m", check_the_seal=False, base_available=True)[0] == []
+    (problem, *_), _ = check_manifest(manifest, "m", check_the_seal=False)
+    assert f"'model.embed_tokens.weight' has {64 * 32 * 2} bytes but no tensor file key" in problem.message  # bf16
+    assert "in a checkpoint without one" in problem.message
+
+    capture.base_fills = {**filled, "model.embed_tokens": []}  # a parameter the loaders did not fill: stored
+    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors")
+    assert not fed_from_base(manifest.module_map()["model.embed_tokens"].tensors)
+    capture.base_fills = None  # no base: everything stored, as before
+    manifest, to_store = build_manifest(capture, "model.0123456789abcdef.tensors")
+    assert not any(fed_from_base(m.tensors) or fed_from_base(m.fallback) for m in manifest.modules)
+
+
+def test_a_layer_with_some_tensors_in_the_base_and_some_not_is_refused():
+    import msgspec
+    from helpers.synthetic import make_capture
+
+    from tensorizer_manifest.checks.records import check_manifest
+    from tensorizer_manifest.save.write import build_manifest
+
+    capture = make_capture()
+    capture.base_fills = {"model.layers.0.mlp.down_proj": ["weight", "weight_scale"]}
+    capture.layers[1].as_loaded = True
+    del capture.layers[1].module._buffers["empty"]  # now all its tensors are parameters the loaders filled
+    capture.layers[1].tensors.pop("empty")
+    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors")
+    layer = manifest.modules[1]
+    assert layer.path == "model.layers.0.mlp.down_proj" and all(t.key is None for t in layer.tensors)
+    half = [msgspec.structs.replace(layer.tensors[0], key="model.layers.0.mlp.down_proj.weight"), layer.tensors[1]]
+    edited = msgspec.structs.replace(
+        manifest, modules=[*manifest.modules[:1], msgspec.structs.replace(layer, tensors=half), *manifest.modules[2:]]
+    )
+    messages = [p.message for p in check_manifest(edited, "m", check_the_seal=False, base_available=True)[0]]
+    assert any("some of its tensors are in the base, some not" in m for m in messages), messages

