@@ -344,3 +344,27 @@ def test_the_checked_in_v3_checkpoint_with_a_base_still_reads_and_validates():
     report = validate_checkpoint(directory)
     assert report.ok, report.problems
     assert report.hashes_checked == report.stored == manifest.tensor_file.tensor_count + len(base.tensors)
+
+
+def test_the_checked_in_v3_checkpoint_whose_form_set_leaves_layers_to_the_base_still_reads_and_validates():
+    """Written by 0.5.0.dev0 of 2026-12-04 with vLLM 0.32.0 on AVX-512 (the same one-layer Llama, saved with the
+    default base): its form set stores only what vLLM's step changed, the other layers' records held by the base
+    (no key). Never regenerate it. Its records pass the checks beside its base, and only there."""
+    from tensorizer_manifest.checks.records import check_manifest
+    from tensorizer_manifest.format.schema import fed_from_base, held_by_base
+    from tensorizer_manifest.storage.checkpoint import load_base, load_generation
+
+    directory = Path(__file__).parents[1] / "fixtures" / "v3-checkpoint-fed"
+    generation, _ = load_generation(directory)
+    base, _, _ = load_base(directory, generation)
+    manifest, manifest_path = load_manifest(directory)
+    fed = [m.path for m in manifest.modules if fed_from_base(m.tensors)]
+    assert "model.layers.0.self_attn.qkv_proj" in fed and "model.embed_tokens" in fed and len(fed) == 9
+    held = [t for m in manifest.modules for t in m.tensors if held_by_base(t)]
+    stored = [t for m in manifest.modules for t in m.tensors if t.key is not None]
+    assert manifest.tensor_file.tensor_count == len(stored) and held
+    report = validate_checkpoint(directory)
+    assert report.ok, report.problems
+    assert report.hashes_checked == report.stored == len(stored) + len(base.tensors)
+    problems, _ = check_manifest(manifest, manifest_path)  # as if its generation had no base
+    assert problems and all("no tensor file key" in p.message for p in problems)
