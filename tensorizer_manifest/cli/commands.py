@@ -652,7 +652,13 @@ def save(
     if base is not None:
         console().print(
             f"wrote the base: {base['tensors']} source tensors ({base['bytes']:,} bytes), which vLLM's own weight "
-            "loaders shard at any tensor- or pipeline-parallel layout"
+            "loaders shard at any tensor- or pipeline-parallel layout; the form set stores only what vLLM's step "
+            "changed"
+        )
+    elif result.ranks and result.ranks[0].get("generation") is not None:
+        console().print(
+            "no base: the checkpoint loads at the saved layout only (a save at pipeline_parallel_size=1 without "
+            "expert parallelism writes one, unless --base none)"
         )
     generation = result.ranks[0].get("generation") if result.ranks else None
     if generation is not None:

@@ -130,15 +130,26 @@ class SaveOptions(S3Options):
         ),
     )
 
-    base: Literal["inside", "none"] = Field(
-        "none",
+    base: Literal["auto", "inside", "none"] = Field(
+        "auto",
         description=(
             "inside: write the layout-free base too (the source's tensors as vLLM's loader reads them, with the "
-            "modules each one fills): the checkpoint then loads at any tensor- or pipeline-parallel layout, "
-            "through vLLM's own weight loaders where no saved form fits (format version 3; a save at "
-            "pipeline_parallel_size=1). none: the saved layout only."
+            "modules each one fills): the checkpoint then loads at any tensor- or pipeline-parallel layout and on "
+            "another vLLM release, through vLLM's own weight loaders where no saved form fits, and its form set "
+            "stores only what vLLM's step changed (format version 3; a save at pipeline_parallel_size=1 without "
+            "expert parallelism). none: the saved layout only. auto: inside wherever the save can observe it, "
+            "none elsewhere."
         ),
     )
+
+    def writes_base(self) -> bool:
+        """Whether this save writes a base: ``inside``, or ``auto`` where the saving engine can observe it."""
+        if self.base != "auto":
+            return self.base == "inside"
+        return self.format_version == 3 and self.pipeline_parallel_size == 1 and not self.expert_parallel()
+
+    def expert_parallel(self) -> bool:
+        return bool(self.engine_args.get("enable_expert_parallel"))
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> SaveOptions:
@@ -262,7 +273,7 @@ def engine_kwargs(options: SaveOptions, model_dir: Path) -> dict[str, Any]:
             "portable": options.portable,
             "allow_unverified": options.allow_unverified,
             "fallbacks": options.fallbacks,
-            "base": options.base == "inside",
+            "base": options.writes_base(),
         },
     )
     kwargs.update(options.engine_args)
@@ -289,7 +300,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     opts = SaveOptions.parse(options)
     if opts.base == "inside" and opts.format_version != 3:
         raise ConfigurationError("base='inside' needs format_version=3: a base is a file of a generation")
-    if opts.base == "inside" and (opts.pipeline_parallel_size > 1 or opts.engine_args.get("enable_expert_parallel")):
+    if opts.base == "inside" and (opts.pipeline_parallel_size > 1 or opts.expert_parallel()):
         raise ConfigurationError(
             "base='inside' is observed by a saving engine whose first rank holds every layer and expert: save with "
             "pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at other layouts "

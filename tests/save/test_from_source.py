@@ -181,3 +181,28 @@ def test_the_signature_shows_every_option_keyword_only():
     options = {n: p for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert list(options) == list(SaveOptions.model_fields)
     assert options["dtype"].default == "auto" and options["format_version"].default == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "writes"),
+    [
+        ({}, True),
+        ({"base": "none"}, False),
+        ({"pipeline_parallel_size": 2}, False),
+        ({"engine_args": {"enable_expert_parallel": True}}, False),
+        ({"format_version": 2}, False),
+        ({"tensor_parallel_size": 2}, True),
+        ({"base": "inside"}, True),
+    ],
+)
+def test_a_save_writes_the_base_by_default_wherever_it_can_be_observed(tmp_path, options, writes):
+    """``auto``: a base costs about nothing on disk for dense kinds now that the form set stores only what vLLM's
+    step changed (docs/performance.md), so it is written wherever the saving engine can observe it; a save at
+    ``pipeline_parallel_size>1``, with expert parallelism or in format version 2 writes none (``inside`` there is
+    refused by name, before an engine starts)."""
+    parsed = SaveOptions.parse(options)
+    assert parsed.writes_base() is writes
+    assert (
+        engine_kwargs(parsed, _model_dir(tmp_path, {"model_type": "llama"}))["model_loader_extra_config"]["base"]
+        is writes
+    )
