@@ -198,7 +198,8 @@ def check_base(base: BaseDocument, where: FileLocation) -> tuple[list[Problem], 
         if record.alias_of is not None or record.key != record.name:
             problem(ManifestError, f"base tensor {record.name!r} must be stored under its own name")
         records.add(record.name, record)
-    records.check_bound_to(base.tensor_file, "the base")
+    if base.tensor_file is not None:  # a base by reference: its records are checked against the source as it is read
+        records.check_bound_to(base.tensor_file, "the base")
     unknown = sorted(set(base.consumers) - set(records.by_name))
     if unknown:
         problem(ManifestError, f"the base names consumers of tensors it does not hold: {', '.join(unknown[:5])}")

@@ -60,6 +60,7 @@ from ..storage.checkpoint import (
     signing_key_from,
 )
 from ..storage.remote import RemoteFile, RemoteOptions, as_remote, is_remote
+from ..storage.source_files import SourceFilesReader
 from ..storage.tensor_file import TensorFileReader
 from .fingerprint import settings_differences
 from .generation_files import generation_problems
@@ -204,9 +205,14 @@ def open_checked_base(
     num_readers: int | None = None,
 ) -> Iterator[TensorFileReader]:
     """A base's tensor file, checked as a form's is (its records, the size, prefix, head hash and index) and open
-    for reading; its document's bytes were checked against the generation (``checkpoint.load_base``)."""
+    for reading; its document's bytes were checked against the generation (``checkpoint.load_base``). A base by
+    reference: the source's files at ``tensor_path`` (a directory), each there with its recorded size."""
     problems, by_key = check_base(base, document)
     ValidationReport(document, None, problems=tuple(problems)).raise_for_problems()
+    if base.source is not None:
+        with SourceFilesReader(base.source, tensor_path) as reader:  # type: ignore[arg-type]
+            yield reader  # type: ignore[misc]
+        return
     with _open_one(
         document,
         base.tensor_file,
@@ -347,6 +353,7 @@ def validate_checkpoint(
             files.append((resolve_tensor_file(manifest, manifest_path, ref), keys))
         except TensorizerManifestError as exc:
             problems.append(Problem(type(exc), str(manifest_path), str(exc)))
+    referenced = None
     if current is not None and current[1].base is not None:  # the base's file is checked as the rank's are
         try:
             base, document, base_path = load_base(*current)  # type: ignore[arg-type]
@@ -355,9 +362,13 @@ def validate_checkpoint(
         else:
             found, base_keys = check_base(base, document)
             problems += found
-            refs.append((base.tensor_file, base_keys))
-            files.append((base_path, base_keys))
-            records, stored = records + len(base.tensors), stored + len(base_keys)
+            records += len(base.tensors)
+            if base.source is not None:  # by reference: the source's files, checked after the checkpoint's own
+                referenced = (base, base_path)
+            else:
+                refs.append((base.tensor_file, base_keys))
+                files.append((base_path, base_keys))
+                stored += len(base_keys)
     if len(files) < len(refs):
         return ValidationReport(manifest_path, None, records, stored, 0, tuple(problems), tuple(warnings), encrypted)
     for (ref, _), (tensor_path, keys) in zip(refs, files, strict=True):
@@ -373,9 +384,33 @@ def validate_checkpoint(
         for path, keys in files:
             found, n = check_hashes(path, keys, encryption_key, progress)
             problems, checked = problems + found, checked + n
+    if referenced is not None and not problems:
+        found, n = check_source_files(*referenced, verify_hashes=verify_hashes)
+        problems, checked = problems + found, checked + n
     return ValidationReport(
         manifest_path, tensor_path, records, stored, checked, tuple(problems), tuple(warnings), encrypted
     )
+
+
+def check_source_files(base: BaseDocument, source_dir: FileLocation, verify_hashes: bool = True) -> tuple[list, int]:
+    """A base by reference's source files: each there with its recorded size, and (``verify_hashes``) each base
+    tensor in them with its recorded content hash. Returns problems and how many hashes were checked."""
+    from ..model.sources import source_record
+
+    expected = {record.name: record for record in base.tensors}
+    checked = 0
+    try:
+        with SourceFilesReader(base.source, source_dir) as reader:  # type: ignore[arg-type]
+            if not verify_hashes:
+                return [], 0
+            for name, tensor in reader.stream():
+                if source_record(name, tensor).hash != expected[name].hash:
+                    message = f"content hash of base tensor {name!r} does not match the base: the source changed"
+                    return [Problem(IntegrityError, str(source_dir), message + "; save the checkpoint again")], checked
+                checked += 1
+    except TensorizerManifestError as exc:
+        return [Problem(type(exc), str(source_dir), str(exc))], checked
+    return [], checked
 
 
 def check_engine_settings(

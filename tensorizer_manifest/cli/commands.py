@@ -299,10 +299,14 @@ def _say_generation(path, remote: dict) -> None:
         base, _, _ = load_base(root, generation)
     except TensorizerManifestError as exc:
         _fail(exc)
+    where = (
+        f"{base.tensor_file.size:,} bytes"
+        if base.tensor_file is not None
+        else f"by reference: {len(base.source.files)} safetensors file(s) of {base.source.root}, not copied"
+    )
     console().print(
-        f"  base: {len(base.tensors)} source tensors ({base.tensor_file.size:,} bytes, observed at "
-        f"tp={base.observed.tp}): any other tensor- or pipeline-parallel size, and another vLLM release, loads "
-        "through it",
+        f"  base: {len(base.tensors)} source tensors ({where}, observed at tp={base.observed.tp}): any other tensor- "
+        "or pipeline-parallel size, and another vLLM release, loads through it",
         highlight=False,
     )
 
@@ -651,9 +655,10 @@ def save(
     base = result.ranks[0].get("base") if result.ranks else None
     if base is not None:
         console().print(
-            f"wrote the base: {base['tensors']} source tensors ({base['bytes']:,} bytes), which vLLM's own weight "
-            "loaders shard at any tensor- or pipeline-parallel layout; the form set stores only what vLLM's step "
-            "changed"
+            f"wrote the base: {base['tensors']} source tensors "
+            + (f"({base['bytes']:,} bytes)" if "reference" not in base else f"by reference to {base['reference']}")
+            + ", which vLLM's own weight loaders shard at any tensor- or pipeline-parallel layout; the form set "
+            "stores only what vLLM's step changed"
         )
     elif result.ranks and result.ranks[0].get("generation") is not None:
         console().print(

@@ -121,6 +121,26 @@ class BaseRef(_Struct3, kw_only=True):
 BASE_DOCUMENT = "base.manifest.json"
 """The base's document in its generation's folder."""
 
+#: A file name in the source directory (safetensors files are flat there): no separator, no hidden name.
+SourceFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*$", max_length=255)]
+
+
+class SourceFile(_Struct3, kw_only=True):
+    """One safetensors file of the source a base by reference reads: its size when saved, and the base tensors
+    in it (each checked by its record's content hash as it is read)."""
+
+    name: SourceFileName
+    size: Size
+    tensors: list[str]
+
+
+class SourceFiles(_Struct3, kw_only=True):
+    """A base by reference (``BaseRef.mode == "reference"``): the source's own files, where the save found them."""
+
+    root: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    """The source directory at the save (absolute); a load may name another (``base_source_dir``)."""
+    files: list[SourceFile]
+
 
 class BaseDocument(_Struct3, kw_only=True):
     """The layout-free base (#34): the source's tensors as vLLM's default loader reads them, under the names the
@@ -133,8 +153,9 @@ class BaseDocument(_Struct3, kw_only=True):
     format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]
     observed: Layout
     """The layout of the engine whose weight loaders were watched (module paths do not depend on it)."""
-    tensor_file: TensorFileRef
-    """The base's tensor file, checked as a form's is (size, prefix, head hash, index, records' digest)."""
+    tensor_file: TensorFileRef | None = None
+    """The base's tensor file, checked as a form's is (size, prefix, head hash, index, records' digest); None for a
+    base by reference (``source``)."""
     tensors: list[TensorRecord]
     """One per source tensor, in the order vLLM's loader read them: ``key`` is the source's name."""
     consumers: dict[str, list[str]] = {}
@@ -143,6 +164,9 @@ class BaseDocument(_Struct3, kw_only=True):
     loaded: dict[str, list[str]] = {}
     """Module path -> the parameters vLLM's weight loaders filled at the save: a load from the base must fill
     them all again, or it is refused."""
+    source: SourceFiles | None = None
+    """A base by reference: the tensors are read from the source's own safetensors files, not from a file of the
+    checkpoint (no extra disk; the checkpoint is then not self-contained)."""
 
     def needed_by(self, modules: set[str]) -> list[TensorRecord]:
         """The records of the source tensors that fill any of ``modules``, in file order."""
@@ -273,8 +297,12 @@ def encode_base(base: BaseDocument) -> bytes:
 
 
 def decode_base(data: bytes, source: str = "base") -> BaseDocument:
-    """Decode a base document; failures as ``decode_pointer``'s."""
-    return _decode(_base_decoder, data, source, "base document")
+    """Decode a base document; failures as ``decode_pointer``'s. It names its tensors' bytes one way: a tensor file
+    of the checkpoint, or the source's files (a base by reference)."""
+    base = _decode(_base_decoder, data, source, "base document")
+    if (base.tensor_file is None) == (base.source is None):
+        raise ManifestError(f"{source}: a base names either its tensor file or its source files, one of the two")
+    return base
 
 
 def encode_pointer(pointer: Pointer, compact: bool = False) -> bytes:

@@ -130,22 +130,24 @@ class SaveOptions(S3Options):
         ),
     )
 
-    base: Literal["auto", "inside", "none"] = Field(
+    base: Literal["auto", "inside", "reference", "none"] = Field(
         "auto",
         description=(
             "inside: write the layout-free base too (the source's tensors as vLLM's loader reads them, with the "
             "modules each one fills): the checkpoint then loads at any tensor- or pipeline-parallel layout and on "
             "another vLLM release, through vLLM's own weight loaders where no saved form fits, and its form set "
             "stores only what vLLM's step changed (format version 3; a save at pipeline_parallel_size=1 without "
-            "expert parallelism). none: the saved layout only. auto: inside wherever the save can observe it, "
-            "none elsewhere."
+            "expert parallelism). reference: the same, the source's own safetensors files named with their sizes "
+            "and every tensor's hash instead of copied (no extra disk; the checkpoint then needs the source where it "
+            "was, or named at load with base_source_dir; a local output, unencrypted). none: the saved layout only. "
+            "auto: inside wherever the save can observe it, none elsewhere."
         ),
     )
 
     def writes_base(self) -> bool:
         """Whether this save writes a base: ``inside``, or ``auto`` where the saving engine can observe it."""
         if self.base != "auto":
-            return self.base == "inside"
+            return self.base in ("inside", "reference")
         return self.format_version == 3 and self.pipeline_parallel_size == 1 and not self.expert_parallel()
 
     def expert_parallel(self) -> bool:
@@ -298,13 +300,19 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     options, else ``~/.s3cfg``, else ``AWS_*`` variables).
     """
     opts = SaveOptions.parse(options)
-    if opts.base == "inside" and opts.format_version != 3:
-        raise ConfigurationError("base='inside' needs format_version=3: a base is a file of a generation")
-    if opts.base == "inside" and (opts.pipeline_parallel_size > 1 or opts.expert_parallel()):
+    if opts.base in ("inside", "reference") and opts.format_version != 3:
+        raise ConfigurationError(f"base={opts.base!r} needs format_version=3: a base is a file of a generation")
+    if opts.base in ("inside", "reference") and (opts.pipeline_parallel_size > 1 or opts.expert_parallel()):
         raise ConfigurationError(
-            "base='inside' is observed by a saving engine whose first rank holds every layer and expert: save with "
-            "pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at other layouts "
-            "through its base)"
+            f"base={opts.base!r} is observed by a saving engine whose first rank holds every layer and expert: save "
+            "with pipeline_parallel_size=1 and without expert parallelism (the checkpoint then loads at other "
+            "layouts through its base)"
+        )
+    encrypted = (opts.encryption_key_file or os.environ.get(ENCRYPTION_KEY_ENV)) is not None
+    if opts.base == "reference" and (is_remote(str(out)) or encrypted):
+        raise ConfigurationError(
+            "base='reference' names the source's files on this machine: an s3:// output or an encrypted checkpoint "
+            "must hold its own base (save with base='inside')"
         )
     if is_remote(str(out)):
         remote = opts.remote()
@@ -351,7 +359,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         ranks = llm.collective_rpc(
             "save_tensorizer_manifest",
             args=(str(out_dir), False, key_file, encryption_key_file, opts.progress),
-            kwargs={"format_version": opts.format_version},
+            kwargs={"format_version": opts.format_version, "base_reference": opts.base == "reference"},
         )
     finally:
         shutdown(llm)

@@ -102,9 +102,9 @@ def base_entry(publication: Publication, document_name: str, document: BaseDocum
     """The base written into the publication's folder (``save.write_base.write_base``), by its document's bytes."""
     data = (publication.folder / document_name).read_bytes()
     return BaseRef(
-        mode="inside",
+        mode="inside" if document.tensor_file is not None else "reference",
         document=FileRef(path=publication.relative(document_name), size=len(data), hash=blake3_hex(data)),
-        tensor_files=[publication.relative(document.tensor_file.path)],
+        tensor_files=[] if document.tensor_file is None else [publication.relative(document.tensor_file.path)],
     )
 
 

@@ -57,7 +57,9 @@ from ..storage.tensor_file import head_hash, prefix_hash, prefix_size, read_inde
 from .capture import Capture
 
 
-def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, list[tuple[str, TensorSlot]]]:
+def build_manifest(
+    capture: Capture, tensor_file_name: str, beside_a_base: bool = False
+) -> tuple[Manifest, list[tuple[str, TensorSlot]]]:
     """Records for every captured layer, and the (key, slot) pairs to store (``stored_tensors`` reads them).
 
     Every layer's own tensors come first, in layer order; the raw fallbacks after all of them, so that a
@@ -67,7 +69,7 @@ def build_manifest(capture: Capture, tensor_file_name: str) -> tuple[Manifest, l
     to_store: list[tuple[str, TensorSlot]] = []
     seen: dict[int, str] = {}  # id(tensor) -> full name of the first record holding it
     ordered: list[tuple[str, TensorRecord]] = []
-    fills = capture.base_fills
+    fills = capture.base_fills if beside_a_base else None  # without a base every layer is stored
     for layer in capture.layers:
         records: list[TensorRecord] = []
         from_base = (
@@ -199,13 +201,15 @@ def prepare_checkpoint(
     encryption_key: EncryptionKey | None = None,
     progress: ProgressCallback | None = None,
     save_id: str | None = None,
+    beside_a_base: bool = False,
 ) -> PreparedCheckpoint:
-    """``write_checkpoint`` up to its commit: the tensor file written and the manifest sealed."""
+    """``write_checkpoint`` up to its commit: the tensor file written and the manifest sealed. ``beside_a_base``:
+    the generation this rank's manifest goes into has a base, so the layers it can feed are left to it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     refuse_a_generations_checkpoint(out_dir)
     started_from = current_generation(out_dir / (stem + MANIFEST_SUFFIX))
     _remove_orphaned_temporaries(out_dir, stem)
-    manifest, to_store = build_manifest(capture, "")
+    manifest, to_store = build_manifest(capture, "", beside_a_base)
     tensor_name = _write_tensors(
         out_dir, stem, manifest.tensor_file, to_store, encryption_key, progress, capture.close if release else None
     )

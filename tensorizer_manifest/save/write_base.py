@@ -7,6 +7,10 @@ tensor fills was observed while the engine loaded (``model.sources``). At the sa
 through a loader of the same settings, and every tensor must come back with the bytes the engine loaded (their
 hashes were taken as it loaded), else nothing is written (``NotReproducibleError``): the base is the engine's
 source, not whatever the directory holds by then.
+
+A base by reference (``source_dir``) writes no tensor file: the document names the source's safetensors files and
+the tensors each holds (``storage.source_files``), after the same check of every tensor against what the engine
+loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ..format.schema import EncryptionKey, TensorFileRef, digest_records
 from ..model.sources import ObservedSource, source_record
 from ..progress import ProgressCallback
 from ..storage.files import replace_atomically
+from ..storage.source_files import source_files_of
 from .write import write_stream
 
 #: The base's tensor file's stem in its generation's folder (``base.<digest>.tensors``).
@@ -45,9 +50,11 @@ def write_base(
     *,
     encryption_key: EncryptionKey | None = None,
     progress: ProgressCallback | None = None,
+    source_dir: Path | None = None,
 ) -> tuple[str, BaseDocument]:
     """Write ``base.<digest>.tensors`` and ``base.manifest.json`` into ``folder`` from ``weights`` (the source read
-    again), each tensor checked against what the engine loaded. Returns the document's name and the document."""
+    again), each tensor checked against what the engine loaded. Returns the document's name and the document.
+    With ``source_dir``, a base by reference: the source is checked the same way, and named, not copied."""
     observed.refuse_unattributed()
     expected = observed.records
     ordered = [(record.name, record) for record in expected]
@@ -76,16 +83,21 @@ def write_base(
                 "since it started. Save from an engine started on the source as it is now"
             )
 
-    write_stream(
-        folder, BASE_STEM, ref, checked(), len(expected), sum(r.nbytes for r in expected), encryption_key, progress
-    )
+    if source_dir is None:
+        write_stream(
+            folder, BASE_STEM, ref, checked(), len(expected), sum(r.nbytes for r in expected), encryption_key, progress
+        )
+    else:
+        for _ in checked():  # read and compared, not written
+            pass
     document = BaseDocument(
         format_version=GENERATIONS_FORMAT_VERSION,
         observed=observed.layout,
-        tensor_file=ref,
+        tensor_file=ref if source_dir is None else None,
         tensors=expected,
         consumers=observed.consumers,
         loaded=observed.loaded,
+        source=None if source_dir is None else source_files_of(source_dir, [record.name for record in expected]),
     )
     replace_atomically(folder / BASE_DOCUMENT, encode_base(document))
     return BASE_DOCUMENT, document

@@ -448,9 +448,12 @@ def has_rank(generation: Generation, stem: str) -> bool:
     return form_set_of(generation, stem) is not None
 
 
-def load_base(root: Path | RemoteDir, generation: Generation) -> tuple[BaseDocument, FileLocation, FileLocation]:
+def load_base(
+    root: Path | RemoteDir, generation: Generation, source_dir: str | os.PathLike | None = None
+) -> tuple[BaseDocument, FileLocation, FileLocation]:
     """The generation's base document, its bytes checked against the generation's record of them, where it is and
-    where its tensor file is (``ManifestError`` when the generation has no base)."""
+    where its tensor file is (``ManifestError`` when the generation has no base). A base by reference has no tensor
+    file: its source directory is returned (``source_dir``, else the one recorded at the save)."""
     if generation.base is None:
         raise ManifestError(f"{root}: generation {generation.id} has no base")
     ref = generation.base.document
@@ -465,6 +468,10 @@ def load_base(root: Path | RemoteDir, generation: Generation) -> tuple[BaseDocum
             "hand); save the checkpoint again"
         )
     base = decode_base(data, source=str(location))
+    if (base.source is not None) != (generation.base.mode == "reference"):
+        raise ManifestError(f"{location}: generation {generation.id} records a base {generation.base.mode}, not this")
+    if base.source is not None:
+        return base, location, Path(source_dir if source_dir is not None else base.source.root)
     name = base.tensor_file.path
     placed = [path for path in generation.base.tensor_files if path.rpartition("/")[2] == name]
     if len(placed) != 1 or "/" in name:

@@ -119,6 +119,11 @@ def publish_to_s3(
     staged = LocalCheckpoint(staging).current()
     if staged is None:
         raise CheckpointNotFoundError(f"{staging}: no generation to publish")
+    if staged.base is not None and staged.base.mode == "reference":
+        raise ConfigurationError(
+            f"{staging}: its base names the source's files on this machine (saved with base='reference'), which an "
+            f"{uri} checkpoint cannot read: save it with base='inside' to publish it"
+        )
     store = S3Checkpoint(RemoteDir(uri, options), allow_unconditional_writes)
     parent = staged.parent if only_over_its_parent else store.current_generation_id()
     generation = staged

@@ -168,6 +168,11 @@ class LoadOptions(S3Options):
         "every layer from the checkpoint's base through vLLM's own weight loaders, even where a form set fits (to "
         "check a base, or to measure it); a checkpoint without a base is refused.",
     )
+    base_source_dir: str | None = Field(
+        None,
+        description="Where the source a base by reference (save --base reference) names is now, if it moved since "
+        "the save (else the directory recorded then); its files must be the ones saved (size, content hashes).",
+    )
     add_form: bool = Field(
         False,
         description="Observe vLLM's step on the layers loaded through their raw fallback, so that the worker "
@@ -416,7 +421,7 @@ class ManifestModelLoader(BaseModelLoader):
 
         checked_base = _CheckedBase(root, generation, encryption_key, options)
         base = checked_base.document
-        encrypted = base.tensor_file.encryption != "none"
+        encrypted = base.tensor_file is not None and base.tensor_file.encryption != "none"
         check_generation(generation, encrypted, signing_key, encryption_key, model_config.model)
         target_device = torch.device(
             vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
@@ -554,12 +559,13 @@ class _CheckedBase:
         self._root, self._generation = root, generation
         self._encryption_key = encryption_key
         self._num_readers = options.num_readers
+        self._source_dir = options.base_source_dir
         self._found: tuple | None = None
 
     @property
     def document(self) -> BaseDocument:
         if self._found is None:
-            self._found = load_base(self._root, self._generation)
+            self._found = load_base(self._root, self._generation, self._source_dir)
         return self._found[0]
 
     def open(self, device: torch.device):

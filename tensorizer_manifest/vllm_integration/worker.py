@@ -81,12 +81,15 @@ class ManifestWorkerExtension:
         allow_unverified: bool = False,
         fallbacks: bool = True,
         format_version: int = 3,
+        base_reference: bool = False,
     ) -> dict:
         """Write this rank's tensor file and manifest into ``output_dir``.
 
         ``format_version=3`` (the default): as a new generation of the checkpoint (``save.publish``): every rank
         writes into the generation's folder, and the first rank commits the pointer once for all
         (``docs/design.md``). ``format_version=2``: one manifest per rank, for readers older than 0.5.
+        ``base_reference``: an engine that observed its source for a base (``model_loader_extra_config``'s
+        ``base``) names the source's safetensors files in it instead of copying them (``save --base reference``).
 
         An engine vLLM's default loader loaded (no ``tensorizer_manifest_capture``) is saved too: each
         layer's state before vLLM's post-load step is rebuilt from the engine's source weights, one layer at a
@@ -114,7 +117,7 @@ class ManifestWorkerExtension:
         if format_version == 3:
             return self._tm_publish(
                 output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
-                fallbacks,
+                fallbacks, base_reference,
             )  # fmt: skip
         save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
         model = self._tm_model()
@@ -161,7 +164,7 @@ class ManifestWorkerExtension:
 
     def _tm_publish(
         self, output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
-        fallbacks,
+        fallbacks, base_reference=False,
     ) -> dict:  # fmt: skip
         """``save_tensorizer_manifest`` as a generation: each rank writes its files into the new generation's folder,
         all vote, and only if every rank succeeded does the first rank commit the pointer (all ranks or none); a
@@ -188,6 +191,7 @@ class ManifestWorkerExtension:
                         encryption_key=encryption_key,
                         progress=on_progress,
                         save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                        beside_a_base=capture.base_fills is not None,  # every rank observed its fills for the base
                     )
                 if capture.source is not None and first_rank():  # the base: the source, read again and checked
                     with terminal_progress("saving the base", enabled=progress) as on_progress:
@@ -197,6 +201,7 @@ class ManifestWorkerExtension:
                             publication.folder,
                             encryption_key=encryption_key,
                             progress=on_progress,
+                            source_dir=Path(str(self.vllm_config.model_config.model)) if base_reference else None,
                         )
             finally:
                 all_written = _vllm_compat.every_rank_succeeded(written is not None)  # every rank votes
@@ -230,7 +235,7 @@ class ManifestWorkerExtension:
             **_save_summary(written, output_dir, capture.stem),
             "generation": generation_id,
             "manifest": str(publication.folder / (capture.stem + MANIFEST_SUFFIX)),
-            "base": None if base is None else {"tensors": len(base[1].tensors), "bytes": base[1].tensor_file.size},
+            "base": None if base is None else _base_summary(base[1]),
         }
 
     def _tm_form_set(self, publication: publish.Publication, capture: Capture):
@@ -259,6 +264,7 @@ class ManifestWorkerExtension:
                     signing_key=signing_key,
                     encryption_key=encryption_key,
                     save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                    beside_a_base=True,  # loaded from the generation's base, which the new generation keeps
                 )
             finally:
                 all_written = _vllm_compat.every_rank_succeeded(written is not None)
@@ -421,3 +427,11 @@ class ManifestWorkerExtension:
                 if tensor is not None and name not in module._non_persistent_buffers_set:
                     hashes[f"{path}.{name}" if path else name] = hash_tensor(tensor.detach().cpu())
         return hashes
+
+
+def _base_summary(base) -> dict:
+    """What the save's summary says of the base it wrote: inside (its tensor file's bytes) or by reference."""
+    if base.source is not None:
+        return {"tensors": len(base.tensors), "bytes": 0, "reference": base.source.root,
+                "files": [f.name for f in base.source.files]}  # fmt: skip
+    return {"tensors": len(base.tensors), "bytes": base.tensor_file.size}

@@ -133,3 +133,25 @@ def test_a_damaged_base_tensor_is_refused_before_the_engine_serves(dense):
     fed = dense["damaged_fed"]  # a plain engine at the saved layout: its form set leaves that layer to the base
     assert fed is not None and fed["error"] == "IntegrityError", fed
     assert f"content hash of base tensor {dense['damaged_tensor']!r}" in fed["message"]
+
+
+def test_a_base_by_reference_names_the_source_loads_at_any_layout_and_refuses_a_moved_or_changed_source(dense):
+    """``save --base reference``: no copy of the source (its form set holds only what vLLM's step changed), token-
+    and state-exact at TP=1 and TP=2 from the source's own files. Moved, it is refused naming the option; named
+    with ``base_source_dir``, it loads; a byte of it changed (same size) is refused by content hash."""
+    ref = dense["reference"]
+    assert ref["saved_base"]["bytes"] == 0 and ref["saved_base"]["reference"].endswith("ref-source")
+    assert ref["tensor_files"] == ["model"], "a base by reference wrote a tensor file of its own"
+    validated = ref["validated"]  # validate checks the source's tensors by their content hashes too
+    assert validated["ok"] and validated["checked"] > validated["stored"] > 0, validated
+    assert any("base_source_dir" in message for message in ref["validated_moved"]), ref["validated_moved"]
+    for layout, run in (("tp1", ref["tp1"]), ("tp2", ref["tp2"])):
+        same_as_the_default_loader({"reference": dense[layout]["reference"], "loaded": run})
+    assert all(report["layers_fed"] for report in ref["tp1"]["reports"] + ref["tp2"]["reports"])
+    moved = ref["moved"].get("error")
+    assert moved is not None and moved["error"] == "CheckpointNotFoundError", ref["moved"]
+    assert "base_source_dir" in moved["message"]
+    same_as_the_default_loader({"reference": dense["tp1"]["reference"], "loaded": ref["named"]["loaded"]})
+    changed = ref["changed"].get("error")
+    assert changed is not None and changed["error"] == "IntegrityError", ref["changed"]
+    assert "content hash of base tensor" in changed["message"]

@@ -192,3 +192,44 @@ def test_a_fed_layer_that_does_not_come_back_as_saved_is_refused_naming_it(base)
     with pytest.raises(IntegrityError, match=r"layer 'proj' .*its form differs"):
         feed(*base, [msgspec.structs.replace(record, tensors=[other_form])])
     feed(*base, [msgspec.structs.replace(record, tensors=[other_bytes])], verify_hashes=False)  # form only
+
+
+@pytest.fixture
+def by_reference(tmp_path):
+    """The toy's source as safetensors files, and a base that names them (``save --base reference``)."""
+    from safetensors.torch import save_file
+
+    source_dir, folder = tmp_path / "source", tmp_path / "generation"
+    source_dir.mkdir()
+    folder.mkdir()
+    save_file(dict(source()), source_dir / "model.safetensors")
+    model, observer = Toy(), SourceObserver(Layout())
+    with observer.watching(model):
+        model.load_weights(observer.source(iter(source())))
+    _, document = write_base(observer.observed, source(), folder, source_dir=source_dir)
+    return folder, document, source_dir
+
+
+def test_a_base_by_reference_writes_no_tensor_file_and_loads_from_the_source(by_reference):
+    folder, document, source_dir = by_reference
+    assert document.tensor_file is None and not list(folder.glob("*.tensors"))
+    assert [(f.name, f.tensors) for f in document.source.files] == [
+        ("model.safetensors", ["proj.a", "rotary.inv_freq", "norm.weight", "proj.b"])
+    ]
+    model = Toy()
+    with open_checked_base(document, folder / BASE_DOCUMENT, source_dir) as reader:
+        report = load_from_base(model, document, reader, Config(), torch.device("cpu"))
+    assert torch.equal(model.norm.weight, dict(source())["norm.weight"]) and report["tensors_read"] == 3
+
+
+def test_a_source_changed_under_a_base_by_reference_is_refused_by_content_hash(by_reference):
+    """Same size, one value changed: the file check passes, the tensor's content hash does not."""
+    from safetensors.torch import save_file
+
+    folder, document, source_dir = by_reference
+    changed = dict(source())
+    changed["norm.weight"] = changed["norm.weight"] + 1
+    save_file(changed, source_dir / "model.safetensors")
+    with open_checked_base(document, folder / BASE_DOCUMENT, source_dir) as reader:
+        with pytest.raises(IntegrityError, match="content hash of base tensor 'norm.weight' does not match the base"):
+            load_from_base(Toy(), document, reader, Config(), torch.device("cpu"))

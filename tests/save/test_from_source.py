@@ -206,3 +206,25 @@ def test_a_save_writes_the_base_by_default_wherever_it_can_be_observed(tmp_path,
         engine_kwargs(parsed, _model_dir(tmp_path, {"model_type": "llama"}))["model_loader_extra_config"]["base"]
         is writes
     )
+
+
+@pytest.mark.parametrize(
+    "out, options",
+    [
+        ("s3://bucket/prefix", {}),
+        (None, {"encryption_key_file": "KEY"}),
+        (None, {"format_version": 2}),
+    ],
+    ids=["s3", "encrypted", "format-2"],
+)
+def test_a_base_by_reference_where_the_checkpoint_must_hold_its_own_is_refused_before_an_engine_starts(
+    tmp_path, out, options
+):
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    if options.get("encryption_key_file") == "KEY":
+        (tmp_path / "key").write_bytes(os.urandom(32))
+        options = {"encryption_key_file": str(tmp_path / "key")}
+    with pytest.raises(ConfigurationError, match=r"base='inside'|needs format_version=3"):
+        save_checkpoint(tmp_path / "no-model-here", out or tmp_path / "out", base="reference", **options)
+    assert not (tmp_path / "out").exists()

@@ -631,7 +631,7 @@ def test_with_a_base_the_form_set_stores_only_what_vllms_step_changed():
         "model.layers.0.mlp.experts": ["w13_weight"],
     }
     capture.base_fills = filled
-    manifest, to_store = build_manifest(capture, "model.0123456789abcdef.tensors")
+    manifest, to_store = build_manifest(capture, "model.0123456789abcdef.tensors", beside_a_base=True)
     layers = manifest.module_map()
     fed = {path for path, record in layers.items() if fed_from_base(record.tensors)}
     assert fed == {"model.embed_tokens"}  # down_proj and norm hold a buffer; lm_head is embed's alias
@@ -654,9 +654,9 @@ def test_with_a_base_the_form_set_stores_only_what_vllms_step_changed():
     assert "in a checkpoint without one" in problem.message
 
     capture.base_fills = {**filled, "model.embed_tokens": []}  # a parameter the loaders did not fill: stored
-    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors")
+    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors", beside_a_base=True)
     assert not fed_from_base(manifest.module_map()["model.embed_tokens"].tensors)
-    capture.base_fills = None  # no base: everything stored, as before
+    capture.base_fills = filled  # written where no base goes (format version 2): everything stored, as before
     manifest, to_store = build_manifest(capture, "model.0123456789abcdef.tensors")
     assert not any(fed_from_base(m.tensors) or fed_from_base(m.fallback) for m in manifest.modules)
 
@@ -673,7 +673,7 @@ def test_a_layer_with_some_tensors_in_the_base_and_some_not_is_refused():
     capture.layers[1].as_loaded = True
     del capture.layers[1].module._buffers["empty"]  # now all its tensors are parameters the loaders filled
     capture.layers[1].tensors.pop("empty")
-    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors")
+    manifest, _ = build_manifest(capture, "model.0123456789abcdef.tensors", beside_a_base=True)
     layer = manifest.modules[1]
     assert layer.path == "model.layers.0.mlp.down_proj" and all(t.key is None for t in layer.tensors)
     half = [msgspec.structs.replace(layer.tensors[0], key="model.layers.0.mlp.down_proj.weight"), layer.tensors[1]]

