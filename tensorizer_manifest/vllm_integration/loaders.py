@@ -507,7 +507,10 @@ class ManifestModelLoader(BaseModelLoader):
             fed_report: dict[str, Any] = {}
             if fed:  # before any other layer is read: a tensor that also feeds a form layer is overwritten there
                 if base is None:  # checks.records refused this already; a loader never feeds from no base
-                    raise IntegrityError(f"{fed[0].path!r} is recorded in the base, and this checkpoint has none")
+                    raise IntegrityError(
+                        f"{fed[0].path!r} is recorded in the base, and this checkpoint has none: it was edited, or "
+                        "its generation's base is gone; save the checkpoint again"
+                    )
                 with base.open(target_device) as base_reader:
                     fed_report = feed_layers(
                         model,
@@ -665,7 +668,7 @@ class CaptureModelLoader(DefaultModelLoader):
             )
         capture = captured[-1]
         capture.stem = rank_stem(vllm_config)
-        if self.observer is not None:  # the first rank's writes the base; each rank's leaves its layers to it
+        if self.observer is not None:  # rank 0's observation writes the base; every rank's leaves its layers to it
             capture.source = self.observer.observed if first_rank() else None
             capture.base_fills = self.observer.observed.loaded
         setattr(model, CAPTURE_ATTR, capture)

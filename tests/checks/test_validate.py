@@ -125,9 +125,9 @@ def test_vllm_loader_refuses_every_bad_input_and_serves_nothing(scenarios, tmp_p
     from conftest import run_script
     from helpers.bad_inputs import MODEL_BAD_INPUTS
 
-    checkpoint = scenarios.e2e("w8a8-int8")["checkpoint"]
+    model_dir = scenarios.e2e("w8a8-int8")["model_dir"]
     results = run_script(
-        "scenarios/bad_inputs_loader.py", checkpoint, str(tmp_path), marker="LOADER_RESULT", timeout=1800
+        "scenarios/bad_inputs_loader.py", model_dir, "w8a8-int8", str(tmp_path), marker="LOADER_RESULT", timeout=1800
     )
     cases = BAD_INPUTS + MODEL_BAD_INPUTS
     assert set(results) == {c.name for c in cases}

@@ -117,9 +117,12 @@ def test_save_command_writes_a_valid_self_contained_checkpoint(e2e_dir, tmp_path
     assert {"config.json", "tokenizer.json", "model.manifest.json", "tensorizer-manifest.json"} <= names
     everywhere = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
     assert not any(n.endswith(".safetensors") for n in everywhere), "weights of SRC must not be copied"
-    assert [n.rpartition("/")[0] for n in everywhere if n.endswith(".tensors")] == [
-        manifest_file(out).parent.relative_to(out).as_posix()
-    ], "one tensor file, in the current generation's folder"
+    folder = manifest_file(out).parent.relative_to(out).as_posix()
+    tensor_files = sorted(n for n in everywhere if n.endswith(".tensors"))
+    assert [n.rpartition("/") for n in tensor_files] == [
+        (folder, "/", n) for n in sorted(n.rpartition("/")[2] for n in tensor_files)
+    ], "every tensor file in the current generation's folder"
+    assert [n.rpartition("/")[2].partition(".")[0] for n in tensor_files] == ["base", "model"]  # the base by default
     valid = subprocess.run([*CLI, "validate", str(out)], capture_output=True, text=True)
     assert valid.returncode == 0, valid.stderr
 

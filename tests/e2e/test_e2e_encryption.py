@@ -26,5 +26,6 @@ def test_an_encrypted_checkpoint_loads_token_exact_with_its_key_and_is_refused_o
     assert result["no_key"] is not None
     assert any("ConfigurationError" in e and "encryption_key_file" in e for e in result["no_key"])
     assert result["embedding_bytes_in_plain_file"] is True  # the control
+    assert result["encrypted_tensor_files"] == ["base", "model"]  # the base is encrypted with the same key
     assert result["embedding_bytes_in_encrypted_file"] is False
     assert result["key_in_manifest"] is False

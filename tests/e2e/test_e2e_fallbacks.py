@@ -37,10 +37,11 @@ def loads(request, scenarios, e2e_dir, moto_s3):
     return kind, saved, result
 
 
-def _fallback_warnings(result: dict, case: str) -> list[str]:
-    """vLLM's log lines of the load of ``case`` that tell of fallbacks (each names the case's manifest)."""
+def _fallback_warnings(kind: str, result: dict, case: str) -> list[str]:
+    """vLLM's log lines of the load of ``case`` that tell of fallbacks (each names the case's manifest, in the
+    case's own folder: ``KIND-other-form`` and ``KIND-base-other-form`` are two cases)."""
     lines = result["_output"].splitlines()
-    manifest = re.compile(rf"-{re.escape(case)}/(generations/[^/]+/)?model\.manifest\.json")
+    manifest = re.compile(rf"/{re.escape(kind)}-{re.escape(case)}/(generations/[^/]+/)?model\.manifest\.json")
     return [line for line in lines if manifest.search(line) and "raw fallback" in line]
 
 
@@ -76,13 +77,13 @@ def test_where_the_form_fits_only_the_processed_form_is_read(loads):
     read = [key for _, key, _ in entry["keys_read"]]
     assert sorted(read) == sorted(wanted), "every layer's own tensors once, no fallback's"
     assert not _steps_on(entry, _with_fallback(entry)), "processed layers never see vLLM's step"
-    manifest = f"{saved['checkpoint']}/model.manifest.json"
-    assert not [line for line in result["_output"].splitlines() if manifest in line and "raw fallback" in line]
+    manifest = re.compile(rf"{re.escape(result['checkpoint'])}/(generations/[^/]+/)?model\.manifest\.json")
+    assert not [line for line in result["_output"].splitlines() if manifest.search(line) and "raw fallback" in line]
 
 
 def test_a_layer_whose_form_this_machine_would_not_produce_loads_through_its_fallback(loads):
     """The other machine's form on one layer: that layer alone falls back, token-exact, vLLM's step once."""
-    _, saved, result = loads
+    kind, saved, result = loads
     entry = result["other-form"]
     assert entry["error"] is None, entry["error"]
     assert entry["tokens"] == saved["reference_tokens"]
@@ -92,7 +93,7 @@ def test_a_layer_whose_form_this_machine_would_not_produce_loads_through_its_fal
     (reason,) = entry["forms"]["fallback_reasons"]
     assert "recorded, this machine gives" in reason
     assert _steps_on(entry, {edited}) == {f"quant_method:{edited}": 1}
-    (warning,) = _fallback_warnings(result, "other-form")  # no silent fallback: vLLM's log says it
+    (warning,) = _fallback_warnings(kind, result, "other-form")  # no silent fallback: vLLM's log says it
     assert "1 processed layer(s) loaded through their raw fallback" in warning and reason in warning
     assert not _steps_on(entry, set(with_fallback) - {edited})
     wanted = {k for layer in entry["layers"].values() for k in layer["keys"]}
@@ -100,8 +101,41 @@ def test_a_layer_whose_form_this_machine_would_not_produce_loads_through_its_fal
     assert sorted(key for _, key, _ in entry["keys_read"]) == sorted(wanted), "only the chosen form's tensors"
 
 
-def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(loads):
+def test_saved_with_a_base_a_layer_that_takes_its_fallback_is_fed_from_the_base(loads):
+    """The default save (with a base) stores no fallback bytes of its own: they are the base's. The other machine's
+    form on one layer: that layer is fed from the base, vLLM's step once on it, token-exact. One byte of the base
+    tensor it is fed from changed: refused by content hash, nothing served."""
     _, saved, result = loads
+    entry = result["base-other-form"]
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    with_fallback = _with_fallback(entry)
+    edited = next(iter(with_fallback))
+    assert all(key is None for p in with_fallback for key in entry["layers"][p]["fallback_keys"])  # the base's
+    assert entry["forms"]["fallback_layers"] == [edited] and edited in entry["layers_fed"]
+    assert _steps_on(entry, {edited}) == {f"quant_method:{edited}": 1}
+    assert not _steps_on(entry, set(with_fallback) - {edited})
+    damaged = result["base-other-form-damaged"]
+    assert damaged["error"] is not None and damaged["error"].startswith("IntegrityError"), damaged["error"]
+    assert "content hash of base tensor" in damaged["error"] and "tokens" not in damaged
+
+
+def test_saved_with_a_base_add_form_makes_this_machines_form_from_what_the_base_fed(loads):
+    """The other machine's checkpoint with a base: add-form feeds the fallbacks from the base, observes vLLM's step
+    and adds this machine's form; those layers then load it, processed, token-exact."""
+    _, saved, result = loads
+    entry = result["base-added-form"]
+    with_fallback = _with_fallback(entry)
+    added = result["base-add-form"]
+    assert sorted(added["added"]) == sorted(with_fallback) and added["not_added"] == {}
+    assert entry["error"] is None, entry["error"]
+    assert entry["tokens"] == saved["reference_tokens"]
+    assert entry["forms"]["added_form"] == len(with_fallback) and entry["forms"]["fallback"] == 0
+    assert not _steps_on(entry, with_fallback), "vLLM's step ran on a layer its added form holds processed"
+
+
+def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(loads):
+    kind, saved, result = loads
     entry = result["older-vllm"]
     assert entry["error"] is None, entry["error"]
     assert entry["tokens"] == saved["reference_tokens"]
@@ -109,7 +143,7 @@ def test_a_kernel_specific_form_from_another_vllm_loads_through_the_fallbacks(lo
     assert sorted(entry["forms"]["fallback_layers"]) == sorted(with_fallback)
     (reason,) = entry["forms"]["fallback_reasons"]
     assert "vllm_version '0.31.0'" in reason
-    (warning,) = _fallback_warnings(result, "older-vllm")
+    (warning,) = _fallback_warnings(kind, result, "older-vllm")
     assert f"{len(with_fallback)} processed layer(s) loaded through their raw fallback" in warning
     assert _steps_on(entry, with_fallback) == {f"quant_method:{p}": 1 for p in with_fallback}
     read = {key for _, key, _ in entry["keys_read"]}

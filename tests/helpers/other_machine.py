@@ -60,7 +60,14 @@ def edited_copy(checkpoint: Path, out: Path, edit: Callable, damage: bool = Fals
         tensor_files = [_link(file, folder / file.name) for file in tensor_files]
     if damage:
         tensors = tensor_files[0]
-        key = next(m for m in manifest.modules if m.fallback).fallback[0].key
+        layer = next(m for m in manifest.modules if m.fallback)
+        key = layer.fallback[0].key
+        if key is None:  # the fallback is the base's (a save with a base): damage a base tensor it is fed from
+            from tensorizer_manifest.storage.checkpoint import load_base
+            from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+            base, _, tensors = load_base(out, LocalCheckpoint(out).current())
+            key = next(name for name, paths in base.consumers.items() if layer.path in paths)
         offset = read_index(tensors)[key].data_offset
         data = bytearray(tensors.read_bytes())
         data[offset] ^= 0xFF
@@ -95,7 +102,7 @@ def _new_generation(root: Path):
 
 def _commit(publication, root: Path, manifest) -> None:
     """The edited copy's new generation: one rank (the tests' checkpoints are single-rank), its fingerprint the
-    edited manifest's, the model files carried."""
+    edited manifest's, the model files and the base carried."""
     from tensorizer_manifest.save import publish
     from tensorizer_manifest.storage.generations import LocalCheckpoint
 
@@ -108,4 +115,5 @@ def _commit(publication, root: Path, manifest) -> None:
         made_by="save",
         form_sets=[publish.form_set(old.layout, manifest.fingerprint, ranks)],
         model_files=publish.carry_model_files(publication, current),
+        base=current.base,
     )

@@ -27,8 +27,12 @@ def test_validate_engine_option_sees_a_renamed_kernel(scenarios, tmp_path):
     from helpers.checkpoints import copy_as_version_2
 
     case = next(c for c in MODEL_BAD_INPUTS if c.name == "renamed-kernel")
-    d = tmp_path / "ckpt"
-    copy_as_version_2(scenarios.e2e("llama")["checkpoint"], d)
+    # Saved without a base: a version-2 copy (whose manifest may be edited) has no base to feed layers from.
+    saved, d = tmp_path / "saved", tmp_path / "ckpt"
+    model_dir = scenarios.e2e("llama")["model_dir"]
+    save = [sys.executable, "-m", "tensorizer_manifest.cli", "save", model_dir, str(saved), "--base", "none"]
+    subprocess.run(save + ["--dtype", "bfloat16"], check=True, capture_output=True)
+    copy_as_version_2(saved, d)
     case.mutate(d)
     offline = subprocess.run(
         [sys.executable, "-m", "tensorizer_manifest.cli", "validate", str(d)], capture_output=True, text=True

@@ -1,11 +1,12 @@
 """Every crafted bad input against vLLM's real loader, in one process: nothing may be served.
 
-Usage: python tests/scenarios/bad_inputs_loader.py CHECKPOINT WORKDIR
+Usage: python tests/scenarios/bad_inputs_loader.py MODEL_DIR KIND WORKDIR
 Prints ``LOADER_RESULT {json}``: per case, the exception type raised by
 ``LLM(..., load_format="tensorizer_manifest")`` (anywhere in its cause chain),
 its message, and whether any tokens were generated. Each case damages a copy laid out as format version
 2 (``helpers.checkpoints.copy_as_version_2``): in a version-3 checkpoint the generation's hashes catch every
-edit first.
+edit first. The checkpoint is saved here from MODEL_DIR without a base: a version-2 copy has no base to feed
+the layers a form set leaves to one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    checkpoint, workdir = Path(sys.argv[1]), Path(sys.argv[2])
+    model_dir, kind, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for helpers
     from helpers.bad_inputs import BAD_INPUTS, MODEL_BAD_INPUTS
@@ -26,9 +27,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from tensorizer_manifest.cli.demo import engine_options
-    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS
-    from tensorizer_manifest.save.from_source import shutdown
+    from tensorizer_manifest.embedded_models.tiny import DEMO_PROMPTS, engine_args
+    from tensorizer_manifest.save.from_source import save_checkpoint, shutdown
 
+    checkpoint = workdir / f"ckpt-{kind}-no-base"
+    save_checkpoint(model_dir, checkpoint, dtype="bfloat16", base="none", engine_args=engine_args(kind))
     results = {}
     for case in BAD_INPUTS + MODEL_BAD_INPUTS:
         d = workdir / case.name / "ckpt"

@@ -95,7 +95,7 @@ def main() -> dict:
     suffix += "-overlap" if args.overlap and not args.reuse_saved else ""
     out_dir = os.path.join(args.workdir, f"ckpt-{args.kind}{suffix}")
     reference_files = os.path.join(args.workdir, f"reference-{args.kind}")
-    result: dict = {"kind": args.kind, "checkpoint": out_dir}
+    result: dict = {"kind": args.kind, "checkpoint": out_dir, "model_dir": str(model_dir)}
 
     # Saved first: the engine that starts first in a process pays vLLM's one-time costs, and the two engines
     # whose load_model is timed below (the default loader's, then ours) should meet the same warm process.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args
     from tensorizer_manifest.save.from_source import save_checkpoint
-    from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
+    from tensorizer_manifest.storage.checkpoint import load_manifest
 
     model_dir = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
     key, wrong = os.path.join(workdir, "encryption.key"), os.path.join(workdir, "wrong.key")
@@ -48,10 +49,13 @@ def main() -> None:
             state.update(load_file(os.path.join(model_dir, name)))
     row = state["model.embed_tokens.weight"][5].contiguous()
     run = row.view(-1).view(__import__("torch").uint8).numpy().tobytes()[:64]
-    for label, directory in (("encrypted", secret), ("plain", plain)):
-        tensor_file = resolve_tensor_file(*load_manifest(directory))
-        with open(tensor_file, "rb") as f:
-            result[f"embedding_bytes_in_{label}_file"] = run in f.read()
+    for label, directory in (
+        ("encrypted", secret),
+        ("plain", plain),
+    ):  # every tensor file: the form set's and the base's
+        tensor_files = sorted(Path(directory, "generations").rglob("*.tensors"))
+        result[f"{label}_tensor_files"] = [p.name.partition(".")[0] for p in tensor_files]
+        result[f"embedding_bytes_in_{label}_file"] = any(run in p.read_bytes() for p in tensor_files)
 
     report: dict = {}
     result["manifest_tokens"], _, _ = generate_tokens(

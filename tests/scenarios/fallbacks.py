@@ -95,6 +95,16 @@ def main() -> None:
     from tensorizer_manifest.embedded_models.tiny import engine_args
     from tensorizer_manifest.storage import tensor_file
 
+    if not as_saved_only:
+        # Raw fallbacks stored in the form set: a save without a base. (With one, the default, a fallback is the
+        # base's, fed from it when taken: test_e2e_base_quantized.py.) The model is the one the e2e save used.
+        from tensorizer_manifest.save.from_source import save_checkpoint
+
+        no_base = workdir / f"ckpt-{kind}-no-base"
+        if not (no_base / "tensorizer-manifest.json").exists():
+            save_checkpoint(workdir / f"tiny-{kind}", no_base, dtype="bfloat16", base="none",
+                            engine_args=engine_args(kind))  # fmt: skip
+        with_base, checkpoint = checkpoint, no_base
     counts = install_post_load_counter()
     read: dict[str, list] = {"keys": []}
     stream = tensor_file.TensorFileReader.stream
@@ -119,6 +129,17 @@ def main() -> None:
         cases["other-form-damaged"] = edited_copy(checkpoint, workdir / f"{kind}-damaged", other_form, damage=True)
     result: dict = {}
     if not as_saved_only:
+        # Saved with a base (the default): the fallbacks are the base's, a layer that takes one is fed from it,
+        # and add-form makes this machine's form from what the base fed.
+        from tensorizer_manifest.save.add_form import add_form
+
+        cases["base-other-form"] = edited_copy(with_base, workdir / f"{kind}-base-other-form", other_form)
+        cases["base-other-form-damaged"] = edited_copy(
+            with_base, workdir / f"{kind}-base-damaged", other_form, damage=True
+        )
+        base_added = edited_copy(with_base, workdir / f"{kind}-base-added-form", as_the_other_machine)
+        result["base-add-form"] = add_form(base_added).ranks[0]
+        cases["base-added-form"] = base_added
         # The other machine's checkpoint (every layer with a fallback records the other form), and this machine
         # adds its own form to it: add_form starts an engine here, before the counted loads.
         from tensorizer_manifest.save.add_form import add_form
@@ -199,6 +220,7 @@ def main() -> None:
         entry["post_load_counts"] = {f"{label}:{layer}": n for (label, layer), n in counts.items()}
         entry["keys_read"] = read["keys"]
         entry["bytes_read"] = report.get("bytes_read")
+        entry["layers_fed"] = report.get("layers_fed", [])
         entry["layers"] = {
             m.path: {
                 "state": m.state,
@@ -218,6 +240,7 @@ def main() -> None:
             for _, f in manifest.readable_forms()
         ]  # fmt: skip
         result[name] = entry
+    result["checkpoint"] = str(checkpoint)
     print("FALLBACKS_RESULT " + json.dumps(result))
 
 

@@ -42,7 +42,8 @@ def save(workdir: Path, version: str, without_base: bool) -> dict:
     for kind, model_dir in models.items():
         save_checkpoint(model_dir, str(out / kind), dtype="bfloat16", max_model_len=128, base="inside")
     if without_base:
-        save_checkpoint(models["qwen3-moe"], str(out / "qwen3-moe-no-base"), dtype="bfloat16", max_model_len=128)
+        save_checkpoint(models["qwen3-moe"], str(out / "qwen3-moe-no-base"), dtype="bfloat16", max_model_len=128,
+                        base="none")  # fmt: skip
     reference = {kind: engine_run(model_dir, "auto") for kind, model_dir in models.items()}
     (workdir / f"reference-{version}.json").write_text(json.dumps(reference))
     return {"saved": sorted(p.name for p in out.iterdir())}

@@ -89,7 +89,8 @@ def main() -> None:
     model_dir = str(build_tiny_model(os.path.join(workdir, f"tiny-{kind}"), kind))
     engine = engine_args(kind)
     captured_dir = os.path.join(workdir, f"ckpt-{kind}-captured-for-rebuild")
-    save_checkpoint(model_dir, captured_dir, dtype="bfloat16", max_model_len=128, engine_args=engine)
+    # without a base: an engine vLLM's default loader loaded has none to write (it did not observe its source)
+    save_checkpoint(model_dir, captured_dir, dtype="bfloat16", max_model_len=128, engine_args=engine, base="none")
     rebuilt_dir = os.path.join(workdir, f"ckpt-{kind}-rebuilt")
     # the engine's own copy of its source, so that changing it leaves the shared tiny model as built
     source_dir = os.path.join(workdir, f"source-{kind}-running-engine")
