@@ -52,3 +52,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_manifest.py --json-out docs/benchmarks/manifest.json
 	.venv/bin/python benchmarks/bench_validate.py
 	.venv/bin/python benchmarks/bench_base.py
+	.venv/bin/python benchmarks/bench_compile.py

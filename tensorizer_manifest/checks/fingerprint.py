@@ -155,6 +155,19 @@ def engine_fingerprint(vllm_config: Any) -> Fingerprint:
     )
 
 
+def engine_settings(fingerprint: Fingerprint) -> dict[str, Any]:
+    """The engine settings a fingerprint records, as ``vllm.LLM`` keyword arguments: what an engine started on the
+    checkpoint by a writer (add-form) takes from it."""
+    return dict(
+        dtype=fingerprint.dtype,
+        quantization=fingerprint.quantization,
+        tensor_parallel_size=fingerprint.tensor_parallel_size,
+        pipeline_parallel_size=fingerprint.pipeline_parallel_size,
+        kv_cache_dtype=fingerprint.kv_cache_dtype,
+        enable_expert_parallel=fingerprint.expert_parallel,
+    )
+
+
 def unrecorded_settings(vllm_config: Any) -> dict[str, Any]:
     """The ``UNRECORDED_SETTINGS`` this engine has away from vLLM's default, with their values."""
     current = {name: setting.read(vllm_config) for name, setting in UNRECORDED_SETTINGS.items()}

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, ConfigurationError, IntegrityError, TensorizerManifestError
 from ..format.generation import Generation
 from ..format.schema import EncryptionKey, Manifest, SigningKey, blake3_hex
+from ..storage.compile_archive import check_archive
 from .seal import check_generation_seal
 
 #: A model file read whole by ``validate`` is refused above this (config and tokenizer files are small).
@@ -53,8 +54,9 @@ def generation_problems(
     encryption_key: EncryptionKey | None,
 ) -> tuple[list[tuple[type, str, str]], list[str]]:
     """What ``validate`` finds in a generation besides its rank manifest, as (problems, warnings): its seal, each
-    model file of its own against its hash, and (a warning: loads from there would be refused) a copy at the top
-    of a local checkpoint that is not the generation's. ``root``: the checkpoint (a ``Path`` or a ``RemoteDir``)."""
+    model file of its own against its hash, each compile form's archive and every file in it against theirs, and (a
+    warning: loads from there would be refused) a copy at the top of a local checkpoint that is not the generation's.
+    ``root``: the checkpoint (a ``Path`` or a ``RemoteDir``)."""
     problems: list[tuple[type, str, str]] = []
     warnings: list[str] = []
     where = f"{root}: generation {generation.id}"
@@ -81,4 +83,14 @@ def generation_problems(
                 f"{top}: not the current generation's {model_file.name}; a load with this directory as vLLM's model "
                 "is refused until the next save refreshes it (or copy it from the generation)"
             )
+    for form in generation.compile_forms:
+        location = root / form.archive.path  # type: ignore[operator]
+        try:
+            data = location.read_bytes() if isinstance(location, Path) else location.read_bytes(form.archive.size)
+            check_archive(data, form.archive, form.files, str(location))
+        except IntegrityError as exc:
+            problems.append((IntegrityError, str(location), f"the compile form's archive: {exc}"))
+        except (OSError, TensorizerManifestError) as exc:
+            problems.append((CheckpointNotFoundError, str(location), f"the compile form's archive the generation "
+                             f"names: {exc}"))  # fmt: skip
     return problems, warnings

@@ -292,6 +292,14 @@ def _say_generation(path, remote: dict) -> None:
             f"{fingerprint.vllm_version}, {fingerprint.dtype}: {layers}",
             highlight=False,
         )
+    for form in generation.compile_forms:
+        console().print(
+            f"  compile form for {' '.join(form.machine)}: vLLM {form.vllm_version}, torch {form.torch_version}, "
+            f"engine settings {form.config_hash[:12]}, {len(form.files)} files ({form.archive.size:,} bytes); used "
+            "by a compiling engine of that kind and settings, under a seal checked with its signing key",
+            highlight=False,
+            soft_wrap=True,
+        )
     if generation.base is None:
         console().print("  no base: other tensor- and pipeline-parallel sizes are refused", highlight=False)
         return
@@ -703,6 +711,7 @@ def _add_form_options() -> type:
         Spelled("encryption_key_file", ENCRYPTION_KEY_NAMES, type=_PATH),
         *_options_of(remote_options),
         "allow_unconditional_writes",
+        "compile",
         click.Option(["--json", "json"], is_flag=True, help="Machine-readable output."),
     ],
     api_only=["engine_args"],
@@ -715,7 +724,11 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
     Loads it here with vLLM (the saved engine settings), runs vLLM's step on every layer whose saved form
     this machine or this vLLM would not produce, and adds the result as a tensor file and manifest entries
     of its own, sealed again (on S3: the tensor file uploaded first, the manifest last). From then on this
-    machine kind loads those layers processed."""
+    machine kind loads those layers processed. With --compile, this machine kind's compile form instead: an engine
+    compiles here with the --engine-arg settings (the serving engine's), and later engines with those settings
+    here load its compiled graphs instead of compiling, under a seal checked with their signing key."""
+    if json:  # stdout holds the JSON alone: vLLM's log (of this process and its workers) goes to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from ..save.add_form import add_form
 
     try:
@@ -726,7 +739,15 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
         console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
         return
     for rank in result.ranks:
-        if rank.get("layout"):
+        if rank.get("archive"):
+            console().print(
+                f"added the compile form of this machine kind ({' '.join(rank['machine'])}): {rank['archive']} "
+                f"({rank['bytes']:,} bytes, {rank['files']} files); engines with the same settings here load its "
+                "graphs instead of compiling, where the seal is checked with your signing key (or with "
+                "trust_compile_forms)",
+                highlight=False,
+            )
+        elif rank.get("layout"):
             console().print(
                 f"added the form set of tp={rank['layout']['tp']} pp={rank['layout']['pp']} made here from the base: "
                 f"{rank['tensor_file']} ({rank['bytes']:,} bytes, {len(rank['added'])} layers processed); engines at "

@@ -53,8 +53,8 @@ GenerationId = Annotated[str, msgspec.Meta(pattern=_GENERATION_ID)]
 
 #: A path inside the checkpoint: relative, ``/``-separated, no ``..``, no empty or hidden part. Checked by the
 #: type, so that no decoded document names a file outside its checkpoint.
-_INSIDE = r"^(?!.*(^|/)\.)(?!.*//)[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*(/[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*)*$"
-InsidePath = Annotated[str, msgspec.Meta(pattern=_INSIDE, max_length=512)]
+INSIDE_PATTERN = r"^(?!.*(^|/)\.)(?!.*//)[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*(/[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*)*$"
+InsidePath = Annotated[str, msgspec.Meta(pattern=INSIDE_PATTERN, max_length=512)]
 
 MadeBy = Literal["save", "add-form", "add-form-compile", "migrate"]
 BaseMode = Literal["inside", "reference"]

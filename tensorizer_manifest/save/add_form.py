@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .._signatures import takes_keywords_of
+from ..checks.fingerprint import engine_settings as fingerprint_settings
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import load_generation, read_manifest
@@ -59,6 +60,13 @@ class AddFormOptions(S3Options):
         "form set at a new layout: loaded there from its base, what vLLM's steps make is kept for that layout.",
     )
     pipeline_parallel_size: int | None = Field(None, ge=1, description="As tensor_parallel_size.")
+    compile: bool = Field(
+        False,
+        description="Add this machine kind's compile form instead: an engine compiles here with the engine_args "
+        "given (the serving engine's: they shape the graph), and its compile cache is kept in the checkpoint; an "
+        "engine with the same settings on this machine kind then loads the compiled graphs instead of compiling, "
+        "under a seal checked with its signing key (or trust_compile_forms). A local checkpoint of format 3.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Further vllm.LLM keyword arguments. The engine settings a checkpoint records (dtype, "
@@ -77,15 +85,7 @@ class AddFormResult:
 
 def engine_settings(manifest_path: Path) -> dict[str, Any]:
     """The engine settings the checkpoint was saved with, as ``vllm.LLM`` keyword arguments."""
-    fp = read_manifest(manifest_path).fingerprint
-    return dict(
-        dtype=fp.dtype,
-        quantization=fp.quantization,
-        tensor_parallel_size=fp.tensor_parallel_size,
-        pipeline_parallel_size=fp.pipeline_parallel_size,
-        kv_cache_dtype=fp.kv_cache_dtype,
-        enable_expert_parallel=fp.expert_parallel,
-    )
+    return fingerprint_settings(read_manifest(manifest_path).fingerprint)
 
 
 @takes_keywords_of(AddFormOptions)
@@ -100,6 +100,8 @@ def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     checkpoint as it was.
     """
     opts = parse_options(AddFormOptions, options, "add-form option")
+    if opts.compile:
+        return _add_compile_form(checkpoint, opts)
     if is_remote(str(checkpoint)):
         return _add_form_remote(str(checkpoint), opts)
     if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
@@ -159,6 +161,22 @@ def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions
                 only_over_its_parent=True,
             )
     return AddFormResult(checkpoint=uri, ranks=result.ranks)
+
+
+def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> AddFormResult:
+    """``compile``: this machine kind's compile form (``save.add_compile_form``), for a local checkpoint."""
+    if is_remote(str(checkpoint)):
+        raise ConfigurationError(
+            f"{checkpoint}: add-form --compile writes a local checkpoint; make the form in a local copy, then "
+            "publish that with upload_checkpoint"
+        )
+    if opts.tensor_parallel_size is not None or opts.pipeline_parallel_size is not None:
+        raise ConfigurationError("add-form --compile takes the layout from engine_args (the serving engine's)")
+    from .add_compile_form import add_compile_form
+
+    directory = Path(checkpoint).expanduser().resolve()
+    added = add_compile_form(directory, opts.engine_args, opts.signing_key_file, opts.encryption_key_file)
+    return AddFormResult(checkpoint=directory, ranks=[added])
 
 
 def _has_base(directory: Path) -> bool:

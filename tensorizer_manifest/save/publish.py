@@ -19,6 +19,7 @@ from ..format.generation import (
     POINTER_NAME,
     BaseDocument,
     BaseRef,
+    CompileForm,
     FileRef,
     FormSet,
     Generation,
@@ -144,11 +145,14 @@ def commit(
     form_sets: list[FormSet],
     model_files: list[ModelFile],
     base: BaseRef | None = None,
+    compile_forms: list[CompileForm] | None = None,
     signing_key: SigningKey | None = None,
     encryption_key: EncryptionKey | None = None,
 ) -> Generation:
     """Seal and commit the generation; ``ConcurrentWriteError`` when another writer committed since ``begin``.
-    Then the top level is refreshed and old generations are collected (neither can fail the write)."""
+    Then the top level is refreshed and old generations are collected (neither can fail the write).
+    ``compile_forms``: the parent's, kept by a writer that changes no weights' meaning (an add-form: a compiled graph
+    does not depend on which form a layer's tensors take); a save starts without any."""
     generation = Generation(
         format_version=GENERATIONS_FORMAT_VERSION,
         id=publication.generation_id,
@@ -158,6 +162,7 @@ def commit(
         model_files=model_files,
         base=base,
         form_sets=form_sets,
+        compile_forms=compile_forms or [],
     )
     generation = seal_generation(generation, signing_key, encryption_key)
     store = LocalCheckpoint(publication.root)

@@ -1,8 +1,8 @@
 """The two load formats vLLM is given: ``ManifestModelLoader`` (``tensorizer_manifest``: validate, restore, replay)
 and ``CaptureModelLoader`` (``tensorizer_manifest_capture``: vLLM's default loader, its post-load step observed),
 with their option models. The attributes they leave on the model (``CAPTURE_ATTR``, ``REPORT_ATTR``,
-``ADDED_FORM_ATTR``, ``GENERATION_ATTR``, ``LAYOUT_FORM_ATTR``) are named here, for the worker extension that reads
-them.
+``ADDED_FORM_ATTR``, ``GENERATION_ATTR``, ``LAYOUT_FORM_ATTR``, ``COMPILE_IDENTITY_ATTR``) are named here, for the
+worker extension that reads them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .. import _failpoints, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
 from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.generation_files import check_generation
-from ..checks.seal import unsealed_warning
+from ..checks.seal import check_generation_seal, unsealed_warning
 from ..checks.validate import open_checked_base, open_checked_forms
 from ..errors import (
     CompatibilityError,
@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..format.generation import BaseDocument, Generation, Layout, decode_pointer, encode_pointer
 from ..format.schema import fed_from_base
-from ..load import replay
+from ..load import compile_placement, replay
 from ..load.forms import choose_forms
 from ..load.from_base import feed_layers, load_from_base
 from ..load.restore import check_model, restore_tensors, without_layers
@@ -73,6 +73,7 @@ REPORT_ATTR = "_tensorizer_manifest_report"
 ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
 GENERATION_ATTR = "_tensorizer_manifest_generation"
 LAYOUT_FORM_ATTR = "_tensorizer_manifest_layout_form"
+COMPILE_IDENTITY_ATTR = "_tensorizer_manifest_compile_identity"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
 logger = logging.getLogger("vllm.tensorizer_manifest")
@@ -177,6 +178,17 @@ class LoadOptions(S3Options):
         False,
         description="Observe vLLM's step on the layers loaded through their raw fallback, so that the worker "
         "method add_tensorizer_manifest_form can add this engine's processed form of them (`add-form`).",
+    )
+    trust_compile_forms: bool = Field(
+        False,
+        description="Use a compile form of a checkpoint whose seal is not checked with your signing key: trusts "
+        "whoever can write the checkpoint to run code in this process (compiled graphs are code). Without it, a "
+        "compile form is used only where signing_key_file checked the seal.",
+    )
+    compile_form_dir: str | None = Field(
+        None,
+        description="Where this engine's compile cache goes, for add-form --compile to make a compile form of "
+        "(no compile form of the checkpoint is used then).",
     )
 
     @classmethod
@@ -334,6 +346,7 @@ class ManifestModelLoader(BaseModelLoader):
         agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
+        compile_dir = self._plan_compile_form(vllm_config, options, root, generation, signing_key, encryption_key)
         if options.source == "base" and (generation is None or generation.base is None):
             raise ConfigurationError(
                 f"{checkpoint}: the load options ask for the base (source='base'), and this checkpoint has none (save "
@@ -342,10 +355,11 @@ class ManifestModelLoader(BaseModelLoader):
         if generation is not None and generation.base is not None:
             why = _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options, vllm_config)
             if why is not None:
-                return self._load_from_base(
+                model = self._load_from_base(
                     vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock,
                     why, fingerprint,
                 )  # fmt: skip
+                return self._compile_ready(model, vllm_config, options, compile_dir)
         if fingerprint is None:
             raise undescribed  # type: ignore[misc]
         try:
@@ -392,7 +406,31 @@ class ManifestModelLoader(BaseModelLoader):
         setattr(model, REPORT_ATTR, summary)
         setattr(model, GENERATION_ATTR, generation)
         _log_load(manifest_path, summary)
-        return model.eval()
+        return self._compile_ready(model.eval(), vllm_config, options, compile_dir)
+
+    @staticmethod
+    def _plan_compile_form(vllm_config, options, root, generation, signing_key, encryption_key) -> Path | None:
+        """Before the model is built (vLLM reads its compile settings then): the compile form this engine uses, in
+        a private directory, or None (said in the log where the checkpoint has one). ``add-form --compile`` compiles
+        into the directory it packs, and uses no form."""
+        if options.compile_form_dir is not None:
+            compile_placement.compile_into(vllm_config, Path(options.compile_form_dir))
+            return None
+        trusted_by = "signing key" if signing_key is not None else None
+        if trusted_by is None and options.trust_compile_forms:
+            trusted_by = "trust_compile_forms"
+        seal = None if generation is None else check_generation_seal(generation, False, signing_key, encryption_key)
+        return compile_placement.use_compile_form(
+            vllm_config, generation, root, trusted_by, None if seal is None else seal[1]
+        )
+
+    @staticmethod
+    def _compile_ready(model, vllm_config, options, compile_dir):
+        """What the report says of the compile form, and (``add-form --compile``) what the form is made for."""
+        getattr(model, REPORT_ATTR)["compile_form"] = None if compile_dir is None else str(compile_dir)
+        if options.compile_form_dir is not None:
+            setattr(model, COMPILE_IDENTITY_ATTR, dataclasses.asdict(compile_placement.EngineCompile.of(vllm_config)))
+        return model
 
     def _load_from_base(
         self, vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock, why,

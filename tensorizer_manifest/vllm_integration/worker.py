@@ -26,6 +26,7 @@ from ..storage.checkpoint import encryption_key_from, signing_key_from
 from .loaders import (
     ADDED_FORM_ATTR,
     CAPTURE_ATTR,
+    COMPILE_IDENTITY_ATTR,
     GENERATION_ATTR,
     LAYOUT_FORM_ATTR,
     REPORT_ATTR,
@@ -281,6 +282,7 @@ class ManifestWorkerExtension:
                     form_sets=[*generation.form_sets, self._tm_form_set(publication, capture)],
                     model_files=publish.carry_model_files(publication, generation),
                     base=generation.base,
+                    compile_forms=generation.compile_forms,
                     signing_key=signing_key,
                     encryption_key=encryption_key,
                 )
@@ -396,6 +398,7 @@ class ManifestWorkerExtension:
                 form_sets=publish.with_new_manifests(publication, generation),
                 model_files=publish.carry_model_files(publication, generation),
                 base=generation.base,
+                compile_forms=generation.compile_forms,
                 signing_key=signing_key,
                 encryption_key=encryption_key,
             )
@@ -404,6 +407,11 @@ class ManifestWorkerExtension:
                             "form (its error is raised there); nothing was committed")  # fmt: skip
         result["generation"] = generation_id
         return result
+
+    def tensorizer_manifest_compile_identity(self) -> dict | None:
+        """What the compile form ``add-form --compile`` makes of this engine is for (machine kind, vLLM, torch, the
+        settings hash: ``load.compile_placement.EngineCompile``), as the loader computed it; None unless asked."""
+        return getattr(self._tm_model(), COMPILE_IDENTITY_ATTR, None)
 
     def tensorizer_manifest_report(self) -> dict | None:
         """What the manifest loader did in this worker (None when it was not used)."""

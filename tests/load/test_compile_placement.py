@@ -1,0 +1,88 @@
+"""Which compile form an engine may use, decided before a file of it is read (the e2e tests run real engines)."""
+
+from __future__ import annotations
+
+import shutil
+
+import msgspec
+import pytest
+
+from tensorizer_manifest import _vllm_compat
+from tensorizer_manifest.format.generation import CompileForm, FileRef
+from tensorizer_manifest.load.compile_placement import (
+    EngineCompile,
+    choose,
+    compile_settings_hash,
+    engine_compiles,
+    machine_kind,
+    why_not,
+)
+
+ENGINE = EngineCompile(machine=["cpu:x86_64", "AVX512", "avx512f"], vllm_version="0.32.0", torch_version="2.13.0",
+                       config_hash="c" * 64)  # fmt: skip
+
+
+def _form(**changes) -> CompileForm:
+    form = CompileForm(
+        machine=list(ENGINE.machine),
+        vllm_version=ENGINE.vllm_version,
+        torch_version=ENGINE.torch_version,
+        config_hash=ENGINE.config_hash,
+        archive=FileRef(path="generations/g/compile-x.bin", size=0, hash="blake3:" + "0" * 64),
+    )
+    return msgspec.structs.replace(form, **changes)
+
+
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        ({"machine": ["cpu:x86_64", "AVX2"]}, "made for another machine kind (it has ['AVX2'], this one"),
+        ({"vllm_version": "0.31.0"}, "made by vLLM 0.31.0 (this engine: 0.32.0)"),
+        ({"torch_version": "2.14.0"}, "made with torch 2.14.0 (this engine: 2.13.0)"),
+        ({"config_hash": "d" * 64}, "made for other engine settings"),
+        ({"aot": True}, "AOT artifacts"),
+    ],
+)
+def test_a_form_that_differs_in_anything_it_depends_on_is_not_used_and_says_why(changes, why):
+    assert why_not(_form(), ENGINE) is None
+    assert why in why_not(_form(**changes), ENGINE)
+
+
+def test_the_form_that_fits_is_chosen_among_others_and_none_fits_names_each_reason():
+    fits = _form()
+    others = [_form(vllm_version="0.31.0"), _form(machine=["cpu:aarch64"])]
+    assert choose([*others, fits], ENGINE) == (fits, "")
+    form, why = choose(others, ENGINE)
+    assert form is None and "vLLM 0.31.0" in why and "another machine kind" in why
+
+
+def test_the_machine_kind_is_this_cpus():
+    kind = machine_kind()
+    assert kind[0].startswith("cpu:")
+    assert kind[1 : 1 + len(_vllm_compat.cpu_features())] == _vllm_compat.cpu_features()
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split(":")[1].split()
+    assert ("avx2" in kind) == ("avx2" in flags) and ("amx_tile" in kind) == ("amx_tile" in flags)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def _config(model_dir, **engine):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model_dir), dtype="bfloat16", max_model_len=128, **engine).create_engine_config()
+
+
+def test_the_settings_hash_follows_the_graphs_settings_not_the_models_path(tiny_llama, tmp_path):
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tiny_llama, moved)
+    here = _config(tiny_llama)
+    assert compile_settings_hash(here) == compile_settings_hash(_config(moved))
+    assert here.model_config.model == str(tiny_llama)  # put back
+    assert compile_settings_hash(here) != compile_settings_hash(_config(tiny_llama, max_num_seqs=3))
+    assert engine_compiles(here) and not engine_compiles(_config(tiny_llama, enforce_eager=True))
