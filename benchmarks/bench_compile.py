@@ -6,7 +6,8 @@
 Per size (``tiny``: the demo's Llama; ``1b``: Llama-3.2-1B's shape, ``tests/helpers/real_size.py``), the whole
 ``LLM()`` of an engine with torch.compile on and the demo's serving settings (context 128, one sequence), each in a
 fresh process with an empty ``VLLM_CACHE_ROOT``: ``cold`` (vLLM's default loader from the source, vLLM's defaults:
-the baseline of every ratio), ``form`` (the checkpoint, after ``add-form --compile`` with the same settings; its
+the baseline of every ratio), ``warm`` (the same again, with the cache ``cold`` left: vLLM's own warm restart on the
+machine that compiled), ``form`` (the checkpoint, after ``add-form --compile`` with the same settings; its
 compile form used under ``trust_compile_forms``) and ``eager`` (the checkpoint, ``enforce_eager``: no compile at
 all, the floor). Paths alternate within a round, ratios are taken per round, then median, min and max. Figures,
 never assertions. Writes ``--out`` (JSON) and, with matplotlib, ``--plot`` (PNG).
@@ -29,7 +30,9 @@ from bench_load import spread  # this folder is on sys.path when a script here r
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "BENCH_COMPILE "
-PATHS = ("cold", "form", "eager")
+PATHS = ("cold", "warm", "form", "eager")
+#: The order of a round, reversed every other round: ``warm`` reuses the cache its round's ``cold`` left.
+BLOCKS = (("cold", "warm"), ("form",), ("eager",))
 SERVING = {"max_model_len": 128, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20}
 
 
@@ -70,7 +73,9 @@ def child(model: str, path: str) -> None:
 
     options = dict(dtype="bfloat16", seed=0, enforce_eager=path == "eager", **SERVING)
     if path != "cold":
-        options.update(load_format="tensorizer_manifest",
+        from tensorizer_manifest._constants import WORKER_EXTENSION
+
+        options.update(load_format="tensorizer_manifest", worker_extension_cls=WORKER_EXTENSION,
                        model_loader_extra_config={"trust_compile_forms": True})  # fmt: skip
     started = time.perf_counter()
     llm = LLM(model=model, **options)
@@ -81,12 +86,13 @@ def child(model: str, path: str) -> None:
     print(MARK + json.dumps({"llm_seconds": seconds, "form_used": used}), flush=True)
 
 
-def run_child(model: str, path: str) -> float:
-    with tempfile.TemporaryDirectory(prefix="bench-compile-cache-") as cache:
-        env = {**os.environ, "VLLM_CACHE_ROOT": cache}
+def run_child(model: str, path: str, cache: str | None = None) -> float:
+    """``path`` in a fresh process; its vLLM cache ``cache`` (kept), else an empty one (removed after)."""
+    with tempfile.TemporaryDirectory(prefix="bench-compile-cache-") as empty:
+        env = {**os.environ, "VLLM_CACHE_ROOT": cache or empty}
         env.pop("VLLM_USE_AOT_COMPILE", None)  # vLLM's default in every child; the loader sets it where a form is used
         proc = subprocess.run(
-            [sys.executable, __file__, "child", model, path],
+            [sys.executable, __file__, "child", model, "cold" if path == "warm" else path],
             capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env,
         )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
@@ -162,17 +168,24 @@ def main() -> None:
         prepared = prepare(args.work, size)
         result["forms"][size] = {k: prepared[k] for k in ("form_bytes", "form_files", "add_form_seconds")}
         print(size, json.dumps(result["forms"][size]), flush=True)
-        targets = {"cold": prepared["model_dir"], "form": prepared["checkpoint"], "eager": prepared["checkpoint"]}
+        targets = {"cold": prepared["model_dir"], "warm": prepared["model_dir"], "form": prepared["checkpoint"],
+                   "eager": prepared["checkpoint"]}  # fmt: skip
         runs = []
         for round_ in range(args.rounds):
-            order = PATHS if round_ % 2 == 0 else tuple(reversed(PATHS))
-            seconds = {path: run_child(targets[path], path) for path in order}
+            order = [p for block in (BLOCKS if round_ % 2 == 0 else reversed(BLOCKS)) for p in block]
+            seconds = {}
+            with tempfile.TemporaryDirectory(prefix="bench-compile-round-") as kept:
+                for path in order:
+                    cache = kept if path in ("cold", "warm") else None
+                    seconds[path] = run_child(targets[path], path, cache)
             runs.append(seconds)
             print(size, round_, json.dumps(seconds), flush=True)
         result["runs"][size] = runs
         result["load"][size] = {
             **{path: spread([r[path] for r in runs]) for path in PATHS},
             "form_vs_cold": spread([r["form"] / r["cold"] for r in runs]),
+            "warm_vs_cold": spread([r["warm"] / r["cold"] for r in runs]),
+            "form_vs_warm": spread([r["form"] / r["warm"] for r in runs]),
             "eager_vs_cold": spread([r["eager"] / r["cold"] for r in runs]),
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)

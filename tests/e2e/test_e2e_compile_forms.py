@@ -5,8 +5,8 @@ Two checkpoints of the tiny Llama, one sealed with a signing key and one without
 (``add-form --compile``, the serving engine's settings). The form is used with the key, or without one where the
 user opts in (``trust_compile_forms``): inductor loads its graphs from the form and compiles none, token-exact
 against vLLM's default loader compiling cold. Without a key or the opt-in, with one byte of the archive changed, or
-made for another machine kind, it is not used, the log says why once, vLLM compiles, token-exact. An eager engine
-loads without a word about it.
+made for another machine kind, vLLM or torch, it is not used, the log says why once, vLLM compiles, token-exact. An
+eager engine loads without a word about it.
 """
 
 from __future__ import annotations
@@ -49,27 +49,34 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def _reseal(checkpoint, edit) -> None:
-    """Edit the current generation's compile forms and seal it again (a checkpoint saved without a key: anyone who can
-    write it can): what is refused then is refused for what the form says, not for a broken seal."""
+    """Replace the current generation's compile forms by ``edit``'s and seal it again (a checkpoint saved without a
+    key: anyone who can write it can): what is refused then is refused for what the form says, not for a broken
+    seal."""
     from tensorizer_manifest.format.generation import POINTER_NAME, encode_generation, encode_pointer, seal_generation
     from tensorizer_manifest.format.schema import blake3_hex
     from tensorizer_manifest.storage.checkpoint import load_generation
 
     generation, pointer = load_generation(checkpoint)
-    forms = [edit(form) for form in generation.compile_forms]
+    forms = edit(generation.compile_forms)
     generation = seal_generation(msgspec.structs.replace(generation, compile_forms=forms, seal=None))
     data = encode_generation(generation)
     (checkpoint / pointer.document).write_bytes(data)
     (checkpoint / POINTER_NAME).write_bytes(encode_pointer(msgspec.structs.replace(pointer, hash=blake3_hex(data))))
 
 
-def _other_machine(form):
-    """The same form as if made on the other kind of CPU: AVX-512 and AMX flags taken away, or given."""
+def _made_elsewhere(forms: list) -> list:
+    """The form as if made on the other kind of CPU (AVX-512 and AMX flags taken away, or given), and as if made by
+    another vLLM and by another torch: three forms, none of which fits this engine."""
+    (form,) = forms
     if any(flag.startswith("avx512") for flag in form.machine):
         machine = [m for m in form.machine if not m.startswith(("avx512", "amx"))]
     else:
         machine = sorted([*form.machine, "avx512f", "avx512bw"])
-    return msgspec.structs.replace(form, machine=machine)
+    return [
+        msgspec.structs.replace(form, machine=machine),
+        msgspec.structs.replace(form, vllm_version="0.31.0"),
+        msgspec.structs.replace(form, torch_version="2.14.0+cpu"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +119,7 @@ def compiled(scenarios, tmp_path_factory):
     results["damaged"] = run("damaged", damaged, "tensorizer_manifest", trusting)
     other = work / "other-machine"
     shutil.copytree(unsigned, other, symlinks=True)
-    _reseal(other, _other_machine)
+    _reseal(other, _made_elsewhere)
     results["other-machine"] = run("other-machine", other, "tensorizer_manifest", trusting)
     results["eager"] = run("eager", signed, "tensorizer_manifest", {"signing_key_file": str(key)}, "--eager")
     return results
@@ -153,6 +160,8 @@ def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exa
         ("no-key", "seal is not checked with your signing key"),
         ("damaged", "not the bytes the generation records"),
         ("other-machine", "made for another machine kind"),
+        ("other-machine", "made by vLLM 0.31.0"),
+        ("other-machine", "made with torch 2.14.0+cpu"),
     ],
 )
 def test_a_form_that_cannot_be_trusted_or_does_not_fit_is_not_used_and_vllm_compiles(compiled, case, why):
