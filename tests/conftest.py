@@ -54,6 +54,7 @@ def _scope_of(nodeid: str) -> str:
 #: The longest modules, longest first (from ``--durations``): handed to the workers before the rest, so that
 #: neither worker is left with a long one at the end. Then the other end-to-end modules, then the fast ones.
 _LONGEST_FIRST = (
+    "test_e2e_compile_forms",
     "test_e2e_generations",
     "test_e2e_vllm",
     "test_e2e_fallbacks",
