@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_load import spread  # this folder is on sys.path when a script here runs
+from bench_load import machine, paired_run_arguments, spread  # this folder is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "BENCH_BASE "
@@ -162,13 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default="llama,w8a8-int8,qwen3-moe,gptq-w4")
     parser.add_argument("--load-kinds", default="llama")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-base")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "base.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "base.png")
+    paired_run_arguments(parser, "base")
     args = parser.parse_args()
-
-    import torch
 
     from tensorizer_manifest import _vllm_compat
     from tensorizer_manifest.embedded_models.tiny import why_this_cpu_cannot_run
@@ -177,12 +171,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # add-form's TP=2 engine runs in this process
     result: dict = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "amx": _vllm_compat.has_amx(),
-        },
+        "machine": machine(),
         "vllm": _vllm_compat.vllm_version(),
         "rounds": args.rounds,
         "disk": {},

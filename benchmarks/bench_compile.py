@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_load import spread  # this folder is on sys.path when a script here runs
+from bench_load import machine, paired_run_arguments, spread  # this folder is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "BENCH_COMPILE "
@@ -137,10 +136,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,1b")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-compile")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "compile.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks" / "compile.png")
+    paired_run_arguments(parser, "compile")
     args = parser.parse_args()
 
     import torch
@@ -150,13 +146,7 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     result: dict = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "amx": _vllm_compat.has_amx(),
-            "kind": machine_kind(),
-        },
+        "machine": {**machine(), "kind": machine_kind()},
         "vllm": _vllm_compat.vllm_version(),
         "torch": torch.__version__,
         "rounds": args.rounds,

@@ -403,6 +403,32 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def machine() -> dict:
+    """The machine a figure was measured on, as the benchmarks that pair whole starts record it."""
+    import platform
+
+    import torch
+
+    from tensorizer_manifest import _vllm_compat
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "amx": _vllm_compat.has_amx(),
+    }
+
+
+def paired_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--rounds``, ``--work``, ``--out`` and ``--plot`` of a benchmark that pairs whole starts (``name``: its
+    files' stem under ``.cache/`` and ``docs/benchmarks/``)."""
+    root = Path(__file__).resolve().parent.parent
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=root / ".cache" / f"bench-{name}")
+    parser.add_argument("--out", type=Path, default=root / "docs" / "benchmarks" / f"{name}.json")
+    parser.add_argument("--plot", type=Path, default=root / "docs" / "benchmarks" / f"{name}.png")
+
+
 def fmt(s: dict, unit: str = "s") -> str:
     return f"{s['median']:.3f} {unit} [{s['min']:.3f}-{s['max']:.3f}]"
 
