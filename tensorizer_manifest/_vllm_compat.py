@@ -37,6 +37,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._init_moe_kernel",
      ("self", "layer")),
     ("torch.cpu", "_is_amx_tile_supported", ()),
+    ("torch._dynamo.callback", "on_compile_end", ("callback",)),
+    ("torch._dynamo.utils", "counters", ()),
     ("vllm.model_executor.layers.fused_moe.oracle.int8", "make_int8_moe_kernel",
      ("int8_backend", "moe_quant_config", "moe_config", "experts_cls", "routing_tables")),
     ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._expert_routing_tables", ("self",)),
@@ -312,6 +314,29 @@ def cpu_features() -> list[str]:
     if has_amx():
         features.append("AMX")
     return features
+
+
+def after_each_compile(callback: Any) -> bool:
+    """Call ``callback(took, compiled)`` when torch ends a compile in this process, with how many graphs inductor took
+    from its cache and how many it compiled since now (torch's dynamo callbacks and counters); False, and nothing
+    registered, where this torch has neither (what it serves is unchanged: only a log line is lost)."""
+    register, gone = _problem("torch._dynamo.callback", "on_compile_end", ("callback",))
+    counters, also_gone = _problem("torch._dynamo.utils", "counters", ())
+    if gone is not None or also_gone is not None:
+        return False
+
+    def counts() -> tuple[int, int]:
+        inductor = counters["inductor"]
+        return inductor.get("fxgraph_cache_hit", 0), inductor.get("fxgraph_cache_miss", 0)
+
+    before = counts()
+
+    def ended(*_args: Any) -> None:
+        took, compiled = counts()
+        callback(took - before[0], compiled - before[1])
+
+    register(ended)
+    return True
 
 
 def has_amx() -> bool:

@@ -224,6 +224,15 @@ def use_compile_form(
         return not_used(cannot)
     atexit.register(shutil.rmtree, target, True)
     compile_into(vllm_config, target)
+    _vllm_compat.after_each_compile(
+        lambda took, compiled: logger.info(
+            "%s: inductor took %d compiled graph(s) from it and compiled %d%s",
+            where,
+            took,
+            compiled,
+            "" if compiled == 0 else " (what the form lacks: other shapes or settings than it was made with)",
+        )
+    )
     logger.info(
         "%s for %s used (%d files, %.1f MB, checked; trusted by %s; %s=0): the engine loads the compiled graphs it "
         "holds instead of compiling them",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,11 @@ def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exa
     assert _compiled(cold) and not _loaded(cold)  # the reference compiled, cold
     assert _loaded(result) and not _compiled(result), (result["inductor"], _form_lines(result))
     assert result["report"]["compile_form"] is not None
+    # vLLM's log says so too (the loader's line, at the end of torch's compile).
+    said = [re.search(r"inductor took (\d+) compiled graph\(s\) from it and compiled (\d+)", line)
+            for line in _form_lines(result)]  # fmt: skip
+    counts = [(int(m[1]), int(m[2])) for m in said if m]
+    assert counts and all(compiled == 0 for _, compiled in counts) and sum(t for t, _ in counts) > 0, counts
     print(f"startup: cold {cold['startup']:.1f} s, with the compile form ({case}) {result['startup']:.1f} s")
 
 
