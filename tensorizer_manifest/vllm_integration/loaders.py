@@ -416,10 +416,12 @@ class ManifestModelLoader(BaseModelLoader):
         if options.compile_form_dir is not None:
             compile_placement.compile_into(vllm_config, Path(options.compile_form_dir))
             return None
+        if generation is None or not generation.compile_forms:
+            return None  # the usual load: no seal computed twice for a form that is not there
         trusted_by = "signing key" if signing_key is not None else None
         if trusted_by is None and options.trust_compile_forms:
             trusted_by = "trust_compile_forms"
-        seal = None if generation is None else check_generation_seal(generation, False, signing_key, encryption_key)
+        seal = check_generation_seal(generation, False, signing_key, encryption_key)
         return compile_placement.use_compile_form(
             vllm_config, generation, root, trusted_by, None if seal is None else seal[1]
         )
