@@ -293,9 +293,11 @@ def _say_generation(path, remote: dict) -> None:
             highlight=False,
         )
     for form in generation.compile_forms:
+        settings = " ".join(f"{name}={value}" for name, value in form.settings.items())
         console().print(
             f"  compile form for {' '.join(form.machine)}: vLLM {form.vllm_version}, torch {form.torch_version}, "
-            f"engine settings {form.config_hash[:12]}, {len(form.files)} files ({form.archive.size:,} bytes); used "
+            f"engine settings {form.config_hash[:12]}{f' ({settings})' if settings else ''}, {len(form.files)} files "
+            f"({form.archive.size:,} bytes); used "
             "by a compiling engine of that kind and settings, under a seal checked with its signing key",
             highlight=False,
             soft_wrap=True,

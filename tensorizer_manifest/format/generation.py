@@ -189,6 +189,10 @@ class CompileForm(_Struct3, kw_only=True):
     vllm_version: str
     torch_version: str
     config_hash: str
+    """vLLM's hash of the engine settings that shape the compiled graphs (the model's path set aside): decides."""
+    settings: dict[str, str] = {}
+    """The main ones of those settings in words (layout, dtype, context and batch sizes): what ``inspect`` shows,
+    and what a load names when the hash differs."""
     aot: bool = False
     archive: FileRef
     files: list[CompileFile] = []

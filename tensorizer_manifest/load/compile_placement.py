@@ -95,6 +95,22 @@ def compile_settings_hash(vllm_config: Any) -> str:
             object.__setattr__(model_config, name, path)
 
 
+def compile_settings(vllm_config: Any) -> dict[str, str]:
+    """The main engine settings under ``compile_settings_hash``, in words: what a person compares when it differs."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    scheduler, compilation = vllm_config.scheduler_config, vllm_config.compilation_config
+    return {
+        "tensor_parallel_size": str(parallel.tensor_parallel_size),
+        "pipeline_parallel_size": str(parallel.pipeline_parallel_size),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": str(model.quantization),
+        "max_model_len": str(model.max_model_len),
+        "max_num_seqs": str(scheduler.max_num_seqs),
+        "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
+        "compilation_mode": str(getattr(compilation, "mode", None)),
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineCompile:
     """What this engine would compile for: the fields a compile form must equal to be used here."""
@@ -103,6 +119,7 @@ class EngineCompile:
     vllm_version: str
     torch_version: str
     config_hash: str
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineCompile:
@@ -113,6 +130,7 @@ class EngineCompile:
             vllm_version=vllm_version,
             torch_version=str(torch.__version__),
             config_hash=compile_settings_hash(vllm_config),
+            settings=compile_settings(vllm_config),
         )
 
 
@@ -135,10 +153,12 @@ def why_not(form: CompileForm, engine: EngineCompile) -> str | None:
     if form.torch_version != engine.torch_version:
         return f"made with torch {form.torch_version} (this engine: {engine.torch_version})"
     if form.config_hash != engine.config_hash:
-        return (
-            "made for other engine settings (context length, batch sizes, dtype, quantization, parallel layout or "
-            "compilation settings): run add-form --compile with the settings this engine is started with"
+        differ = [f"{name} {value} (this engine: {engine.settings[name]})" for name, value in form.settings.items()
+                  if name in engine.settings and engine.settings[name] != value]  # fmt: skip
+        named = ", ".join(differ) or (
+            "context length, batch sizes, dtype, quantization, parallel layout or compilation settings"
         )
+        return f"made for other engine settings ({named}): run add-form --compile with this engine's settings"
     if form.aot:
         return "made of vLLM's AOT artifacts, which this version of tensorizer-manifest does not place"
     return None
@@ -193,9 +213,11 @@ def use_compile_form(
     if generation is None or not generation.compile_forms or not engine_compiles(vllm_config):
         return None
     where = f"{root}: compile form"
+    # Every rank decides alike (one generation, one layout's settings, one machine): the first says why, once.
+    said = logging.WARNING if vllm_config.parallel_config.rank == 0 else logging.DEBUG
 
     def not_used(why: str) -> None:
-        logger.warning("%s not used: %s; vLLM compiles", where, why)
+        logger.log(said, "%s not used: %s; vLLM compiles", where, why)
 
     if trusted_by is None:
         return not_used(

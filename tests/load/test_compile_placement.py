@@ -12,14 +12,21 @@ from tensorizer_manifest.format.generation import CompileForm, FileRef
 from tensorizer_manifest.load.compile_placement import (
     EngineCompile,
     choose,
+    compile_settings,
     compile_settings_hash,
     engine_compiles,
     machine_kind,
+    use_compile_form,
     why_not,
 )
 
-ENGINE = EngineCompile(machine=["cpu:x86_64", "AVX512", "avx512f"], vllm_version="0.32.0", torch_version="2.13.0",
-                       config_hash="c" * 64)  # fmt: skip
+ENGINE = EngineCompile(
+    machine=["cpu:x86_64", "AVX512", "avx512f"],
+    vllm_version="0.32.0",
+    torch_version="2.13.0",
+    config_hash="c" * 64,
+    settings={"tensor_parallel_size": "1", "max_model_len": "128"},
+)
 
 
 def _form(**changes) -> CompileForm:
@@ -39,7 +46,11 @@ def _form(**changes) -> CompileForm:
         ({"machine": ["cpu:x86_64", "AVX2"]}, "made for another machine kind (it has ['AVX2'], this one"),
         ({"vllm_version": "0.31.0"}, "made by vLLM 0.31.0 (this engine: 0.32.0)"),
         ({"torch_version": "2.14.0"}, "made with torch 2.14.0 (this engine: 2.13.0)"),
-        ({"config_hash": "d" * 64}, "made for other engine settings"),
+        ({"config_hash": "d" * 64}, "made for other engine settings (context length, batch sizes"),
+        (
+            {"config_hash": "d" * 64, "settings": {"tensor_parallel_size": "2", "max_model_len": "128"}},
+            "made for other engine settings (tensor_parallel_size 2 (this engine: 1)): run add-form --compile with",
+        ),
         ({"aot": True}, "AOT artifacts"),
     ],
 )
@@ -86,3 +97,26 @@ def test_the_settings_hash_follows_the_graphs_settings_not_the_models_path(tiny_
     assert here.model_config.model == str(tiny_llama)  # put back
     assert compile_settings_hash(here) != compile_settings_hash(_config(tiny_llama, max_num_seqs=3))
     assert engine_compiles(here) and not engine_compiles(_config(tiny_llama, enforce_eager=True))
+
+
+def test_the_settings_in_words_are_the_engines(tiny_llama):
+    settings = compile_settings(_config(tiny_llama, max_num_seqs=3))
+    assert settings["max_num_seqs"] == "3" and settings["max_model_len"] == "128"
+    assert settings["dtype"] == "bfloat16" and settings["tensor_parallel_size"] == "1"
+
+
+@pytest.mark.parametrize("rank, warned", [(0, True), (1, False)])
+def test_why_a_form_is_not_used_is_said_once_by_the_first_rank(tiny_llama, tmp_path, caplog, rank, warned):
+    import logging
+
+    from tensorizer_manifest.format.generation import GENERATIONS_FORMAT_VERSION, Generation, new_generation_id
+
+    generation = Generation(format_version=GENERATIONS_FORMAT_VERSION, id=new_generation_id(), producer="test",
+                            made_by="add-form-compile", compile_forms=[_form()])  # fmt: skip
+    config = _config(tiny_llama)
+    config.parallel_config.rank = rank
+    with caplog.at_level(logging.DEBUG, logger="vllm.tensorizer_manifest"):
+        assert use_compile_form(config, generation, tmp_path, None, None) is None
+    (record,) = [r for r in caplog.records if "compile form not used" in r.getMessage()]
+    assert "not checked with your signing key" in record.getMessage()
+    assert (record.levelno == logging.WARNING) == warned
