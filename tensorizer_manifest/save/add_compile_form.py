@@ -29,8 +29,11 @@ from .from_source import encryption_key_file_path, read_model_config, shutdown, 
 
 
 def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_file: str | None,
-                     encryption_key_file: str | None) -> dict:  # fmt: skip
-    """Make this machine's compile form of the local checkpoint ``directory`` and commit it; what was added."""
+                     encryption_key_file: str | None, tensors_at: dict[str, Any] | None = None) -> dict:  # fmt: skip
+    """Make this machine's compile form of the local checkpoint ``directory`` and commit it there; what was added.
+    ``tensors_at``: loader options that name where its tensors are, when not beside it (a checkpoint on S3, staged
+    in ``directory``). At a parallel layout every rank compiles into the one directory packed (inductor's cache is
+    keyed by what each graph is, so ranks of one layout share a form), and they must agree on what it is for."""
     found = load_generation(directory) if directory.is_dir() else None
     if found is None:
         if directory.is_dir() and any(directory.glob(f"*{MANIFEST_SUFFIX}")):
@@ -50,7 +53,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
     engine.pop("enforce_eager", None)
     read_model_config(directory)  # a checkpoint vLLM cannot read is refused here, before an engine starts
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-compile-cache-") as cache:
-        loader_config: dict[str, Any] = {"compile_form_dir": cache}
+        loader_config: dict[str, Any] = {"compile_form_dir": cache, **(tensors_at or {})}
         if key_file is not None:
             loader_config["signing_key_file"] = key_file
         if encryption_file is not None:
@@ -64,7 +67,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
                       enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
             try:
                 llm.generate(["Compile forms are made here."], SamplingParams(max_tokens=4, temperature=0.0))
-                identity = llm.collective_rpc("tensorizer_manifest_compile_identity")[0]
+                identities = llm.collective_rpc("tensorizer_manifest_compile_identity")
                 loaded = llm.collective_rpc("tensorizer_manifest_report")[0] or {}
             finally:
                 shutdown(llm)
@@ -77,6 +80,12 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
             raise ConcurrentWriteError(
                 f"{directory}: the engine loaded generation {loaded.get('generation')}, not {generation.id}, which "
                 "was current when add-form started: another writer committed meanwhile; run add-form again"
+            )
+        identity = identities[0]
+        if any(other != identity for other in identities):
+            raise ConfigurationError(
+                f"{directory}: the engine's ranks compiled for different machines or settings ({identities}); make "
+                "a compile form where every rank runs on one machine kind"
             )
         if not any(Path(cache).rglob("*")):
             raise ConfigurationError(
@@ -91,6 +100,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
         vllm_version=identity["vllm_version"],
         torch_version=identity["torch_version"],
         config_hash=identity["config_hash"],
+        settings=identity["settings"],
         aot=False,
         archive=archive,
         files=files,

@@ -65,7 +65,8 @@ class AddFormOptions(S3Options):
         description="Add this machine kind's compile form instead: an engine compiles here with the engine_args "
         "given (the serving engine's: they shape the graph), and its compile cache is kept in the checkpoint; an "
         "engine with the same settings on this machine kind then loads the compiled graphs instead of compiling, "
-        "under a seal checked with its signing key (or trust_compile_forms). A local checkpoint of format 3.",
+        "under a seal checked with its signing key (or trust_compile_forms). A checkpoint of format 3; at another "
+        "layout (tensor_parallel_size, pipeline_parallel_size), one form serves every rank of it.",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -164,19 +165,50 @@ def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions
 
 
 def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> AddFormResult:
-    """``compile``: this machine kind's compile form (``save.add_compile_form``), for a local checkpoint."""
-    if is_remote(str(checkpoint)):
-        raise ConfigurationError(
-            f"{checkpoint}: add-form --compile writes a local checkpoint; make the form in a local copy, then "
-            "publish that with upload_checkpoint"
-        )
-    if opts.tensor_parallel_size is not None or opts.pipeline_parallel_size is not None:
-        raise ConfigurationError("add-form --compile takes the layout from engine_args (the serving engine's)")
+    """``compile``: this machine kind's compile form (``save.add_compile_form``) at the layout of ``engine_args``
+    (or of ``tensor_parallel_size``/``pipeline_parallel_size``), local or on S3 (staged as a layout's add-form is,
+    the form committed over the generation the engine loaded)."""
+    engine_args = dict(opts.engine_args)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        wanted = getattr(opts, name)
+        if wanted is not None and engine_args.setdefault(name, wanted) != wanted:
+            raise ConfigurationError(f"{name} is given twice, as {wanted} and in engine_args as {engine_args[name]}")
     from .add_compile_form import add_compile_form
 
-    directory = Path(checkpoint).expanduser().resolve()
-    added = add_compile_form(directory, opts.engine_args, opts.signing_key_file, opts.encryption_key_file)
-    return AddFormResult(checkpoint=directory, ranks=[added])
+    if not is_remote(str(checkpoint)):
+        if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
+            raise ConfigurationError("the s3_* options are for an s3:// checkpoint; this one is a local directory")
+        directory = Path(checkpoint).expanduser().resolve()
+        added = add_compile_form(directory, engine_args, opts.signing_key_file, opts.encryption_key_file)
+        return AddFormResult(checkpoint=directory, ranks=[added])
+    uri = str(checkpoint)
+    location = RemoteDir(uri, opts.remote())
+    if location.scheme != "s3":
+        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    probe_conditional_writes(location, opts.allow_unconditional_writes)
+    store = S3Checkpoint(location, opts.allow_unconditional_writes)
+    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
+        stage = Path(staging)
+        store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
+        refresh_top_level(stage)
+        added = add_compile_form(stage, engine_args, opts.signing_key_file, opts.encryption_key_file,
+                                 tensors_at=_remote_loader_options(uri, opts))  # fmt: skip
+        publish_to_s3(stage, uri, opts.remote(), allow_unconditional_writes=opts.allow_unconditional_writes,
+                      only_over_its_parent=True)  # fmt: skip
+    added["archive"] = f"{uri}/{added['archive']}"
+    return AddFormResult(checkpoint=uri, ranks=[added])
+
+
+def _remote_loader_options(uri: str, opts: AddFormOptions) -> dict[str, Any]:
+    """The loader options of an engine that reads the tensors of the checkpoint at ``uri`` (its files staged)."""
+    remote = opts.remote()
+    options: dict[str, Any] = {"checkpoint_dir": uri}
+    options.update(
+        {k: v for k, v in (("s3_access_key_id", remote.access_key_id),
+                           ("s3_secret_access_key", remote.secret_access_key),
+                           ("s3_endpoint", remote.endpoint)) if v is not None}
+    )  # fmt: skip
+    return options
 
 
 def _has_base(directory: Path) -> bool:
@@ -204,13 +236,7 @@ def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None 
     config = read_model_config(directory)
     loader_config: dict[str, Any] = {"add_form": True}
     if checkpoint_dir is not None:
-        loader_config["checkpoint_dir"] = checkpoint_dir
-        remote = opts.remote()
-        loader_config.update(
-            {k: v for k, v in (("s3_access_key_id", remote.access_key_id),
-                               ("s3_secret_access_key", remote.secret_access_key),
-                               ("s3_endpoint", remote.endpoint)) if v is not None}
-        )  # fmt: skip
+        loader_config.update(_remote_loader_options(checkpoint_dir, opts))
     if key_file is not None:
         loader_config["signing_key_file"] = key_file
     if encryption_key_file is not None:

@@ -80,8 +80,36 @@ def _made_elsewhere(forms: list) -> list:
     ]
 
 
+def _on_s3(server, uri: str, work, results: dict, engine_args: list[str]) -> None:
+    """The unsigned checkpoint, its form with it, published to S3; there a layout's add-form makes its form set at
+    TP=2 (from the base), then add-form --compile that layout's compile form: each over the generation before, the
+    forms before carried. Results: what each add-form said, and where the engines read the model's files."""
+    from helpers.remote import options_for
+
+    from tensorizer_manifest.storage.remote_checkpoint import fetch_model_files, upload_checkpoint
+
+    options = options_for(server)
+    upload_checkpoint(work / "unsigned", uri, options)
+    env = {**server.env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CACHE_ROOT": str(work / "cache-add-form-s3")}
+    layout = _cli("add-form", uri, "-tp", "2", "--json", env=env)
+    assert layout.returncode == 0, layout.stderr[-3000:]
+    added = _cli("add-form", uri, "--compile", "-tp", "2", "--json", *engine_args, env=env)
+    assert added.returncode == 0, added.stderr[-3000:]
+    results["s3"] = {
+        "uri": uri,
+        "add-form": json.loads(added.stdout),
+        "model_dir": fetch_model_files(uri, work / "s3-model-files", options),
+        "loader": {
+            "checkpoint_dir": uri,
+            "s3_access_key_id": options.access_key_id,
+            "s3_secret_access_key": options.secret_access_key,
+            "s3_endpoint": options.endpoint,
+        },  # fmt: skip
+    }
+
+
 @pytest.fixture(scope="module")
-def compiled(scenarios, tmp_path_factory):
+def compiled(scenarios, tmp_path_factory, moto_s3):
     from conftest import run_script
 
     work = tmp_path_factory.mktemp("compile-forms")
@@ -98,6 +126,14 @@ def compiled(scenarios, tmp_path_factory):
                      env={"VLLM_CACHE_ROOT": str(work / f"cache-add-form-{name}")})  # fmt: skip
         assert added.returncode == 0, added.stderr[-3000:]
         results[name] = {"add-form": json.loads(added.stdout), "checkpoint": checkpoint}
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    (results["unsigned-form"],) = load_generation(work / "unsigned")[0].compile_forms
+    results["server"] = moto_s3
+
+    from helpers.remote import fresh_prefix
+
+    _on_s3(moto_s3, fresh_prefix("compile-forms"), work, results, engine_args)
 
     def run(name: str, model, load_format: str, loader: dict | None = None, *flags: str) -> dict:
         args = [str(model), load_format, *([json.dumps(loader)] if loader is not None else []), *flags]
@@ -109,7 +145,11 @@ def compiled(scenarios, tmp_path_factory):
     trusting = {"trust_compile_forms": True}
     results["cold"] = run("cold", saved["model_dir"], "auto")
     results["with-key"] = run("with-key", signed, "tensorizer_manifest", {"signing_key_file": str(key)})
-    results["trusted"] = run("trusted", unsigned, "tensorizer_manifest", trusting)
+    s3 = results["s3"]
+    results["trusted"] = run("trusted", s3["model_dir"], "tensorizer_manifest", {**s3["loader"], **trusting})
+    results["cold-tp2"] = run("cold-tp2", saved["model_dir"], "auto", None, "--tp", "2")
+    results["trusted-tp2"] = run("trusted-tp2", s3["model_dir"], "tensorizer_manifest", {**s3["loader"], **trusting},
+                                 "--tp", "2")  # fmt: skip
     results["no-key"] = run("no-key", unsigned, "tensorizer_manifest")
     damaged = work / "damaged"
     shutil.copytree(unsigned, damaged, symlinks=True)
@@ -145,18 +185,41 @@ def test_add_form_compile_stores_this_machines_form(compiled, name):
     assert form.archive.path == rank["archive"]
 
 
-@pytest.mark.parametrize("case", ["with-key", "trusted"])
-def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exact(compiled, case):
-    result, cold = compiled[case], compiled["cold"]
+def test_add_form_compile_on_s3_at_tp2_adds_that_layouts_form_and_keeps_the_others(compiled):
+    from helpers.remote import options_for
+
+    from tensorizer_manifest.storage.generations import S3Checkpoint
+    from tensorizer_manifest.storage.remote import RemoteDir
+
+    s3 = compiled["s3"]
+    (added,) = s3["add-form"]["ranks"]
+    assert added["replaced"] == 0 and added["archive"].startswith(s3["uri"] + "/generations/")
+    generation = S3Checkpoint(RemoteDir(s3["uri"], options_for(compiled["server"]))).current()
+    assert generation.made_by == "add-form-compile"
+    # The layout's add-form before it (TP=2 form set) carried the TP=1 compile form, and this one carried both.
+    assert sorted((s.layout.tp, s.layout.pp) for s in generation.form_sets) == [(1, 1), (2, 1)]
+    assert sorted(f.settings["tensor_parallel_size"] for f in generation.compile_forms) == ["1", "2"]
+    (local,) = [f for f in generation.compile_forms if f.settings["tensor_parallel_size"] == "1"]
+    assert local.archive == compiled["unsigned-form"].archive  # the very archive, not made again
+    shown = _cli("inspect", s3["uri"], env=compiled["server"].env())
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = [line for line in shown.stdout.splitlines() if "compile form for" in line]
+    assert len(lines) == 2 and sorted("tensor_parallel_size=2" in line for line in lines) == [False, True], lines
+
+
+@pytest.mark.parametrize("case, ranks", [("with-key", 1), ("trusted", 1), ("trusted-tp2", 2)])
+def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exact(compiled, case, ranks):
+    result, cold = compiled[case], compiled["cold" if ranks == 1 else "cold-tp2"]
     assert result["tokens"] == cold["tokens"]
     assert _compiled(cold) and not _loaded(cold)  # the reference compiled, cold
-    assert _loaded(result) and not _compiled(result), (result["inductor"], _form_lines(result))
+    assert not _compiled(result), (result["inductor"], _form_lines(result))
+    assert ranks > 1 or _loaded(result)  # at TP=2 the ranks' counters are in their processes: the log says
     assert result["report"]["compile_form"] is not None
-    # vLLM's log says so too (the loader's line, at the end of torch's compile).
+    # vLLM's log says so too (the loader's line in each rank, at the end of torch's compile).
     said = [re.search(r"inductor took (\d+) compiled graph\(s\) from it and compiled (\d+)", line)
             for line in _form_lines(result)]  # fmt: skip
     counts = [(int(m[1]), int(m[2])) for m in said if m]
-    assert counts and all(compiled == 0 for _, compiled in counts) and sum(t for t, _ in counts) > 0, counts
+    assert len(counts) == ranks and all(compiled == 0 and took > 0 for took, compiled in counts), counts
     print(f"startup: cold {cold['startup']:.1f} s, with the compile form ({case}) {result['startup']:.1f} s")
 
 

@@ -4,7 +4,10 @@ returned, the manifest loader's report (None for vLLM's default loader) and indu
 compiled is an ``fxgraph_cache_miss``, one loaded from a cache an ``fxgraph_cache_hit`` (on CPU vLLM runs
 torch.compile with inductor directly, and its own log says neither).
 
-Usage: python tests/scenarios/compiled_engine.py MODEL LOAD_FORMAT [LOADER_CONFIG_JSON] [--eager]
+Usage: python tests/scenarios/compiled_engine.py MODEL LOAD_FORMAT [LOADER_CONFIG_JSON] [--eager] [--tp N]
+
+At ``--tp 2`` the ranks compile in processes of their own (threads bound one core each): inductor's counters are
+theirs, and the log (each rank's line of the loader) says what was compiled.
 
 Run each with its own ``VLLM_CACHE_ROOT`` (an empty directory): vLLM's own compile cache of a run before would
 make the start warm without any compile form.
@@ -19,16 +22,20 @@ from pathlib import Path
 
 
 def main() -> dict:
-    args = [a for a in sys.argv[1:] if a != "--eager"]
+    argv = sys.argv[1:]
+    tp = int(argv.pop(argv.index("--tp") + 1)) if "--tp" in argv else 1
+    args = [a for a in argv if a not in ("--eager", "--tp")]
     model, load_format = args[0], args[1]
     loader_config = json.loads(args[2]) if len(args) > 2 else None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))  # one NUMA node here
     from tensorizer_manifest.cli.demo import generate_tokens
 
     report: dict | None = {} if load_format != "auto" else None
     tokens, _, startup = generate_tokens(
         model, load_format, max_tokens=8, report=report, loader_config=loader_config,
-        enforce_eager="--eager" in sys.argv,
+        enforce_eager="--eager" in sys.argv, tensor_parallel_size=tp,
     )  # fmt: skip
     from torch._dynamo.utils import counters
 
