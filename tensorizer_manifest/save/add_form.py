@@ -117,11 +117,8 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     only over the version staged (``RemoteFile.upload_if``: ``ConcurrentWriteError`` when another writer came
     first)."""
     remote = opts.remote()
-    location = RemoteDir(uri, remote)
-    if location.scheme != "s3":
-        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
-    probe_conditional_writes(location, opts.allow_unconditional_writes)
-    store = S3Checkpoint(location, opts.allow_unconditional_writes)
+    store = _writable_store(uri, opts)
+    location = store.root
     if store.read_pointer() is not None:
         return _add_form_to_generations(uri, store, opts)
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
@@ -182,11 +179,7 @@ def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> Ad
         added = add_compile_form(directory, engine_args, opts.signing_key_file, opts.encryption_key_file)
         return AddFormResult(checkpoint=directory, ranks=[added])
     uri = str(checkpoint)
-    location = RemoteDir(uri, opts.remote())
-    if location.scheme != "s3":
-        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
-    probe_conditional_writes(location, opts.allow_unconditional_writes)
-    store = S3Checkpoint(location, opts.allow_unconditional_writes)
+    store = _writable_store(uri, opts)
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
         store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
@@ -197,6 +190,16 @@ def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> Ad
                       only_over_its_parent=True)  # fmt: skip
     added["archive"] = f"{uri}/{added['archive']}"
     return AddFormResult(checkpoint=uri, ranks=[added])
+
+
+def _writable_store(uri: str, opts: AddFormOptions) -> S3Checkpoint:
+    """The ``s3://`` checkpoint at ``uri``, once its server is known to honour conditional writes (or the user
+    accepts that it does not): http(s) is refused, read-only."""
+    location = RemoteDir(uri, opts.remote())
+    if location.scheme != "s3":
+        raise ConfigurationError(f"{uri}: only s3:// checkpoints can be written; http(s) is read-only")
+    probe_conditional_writes(location, opts.allow_unconditional_writes)
+    return S3Checkpoint(location, opts.allow_unconditional_writes)
 
 
 def _remote_loader_options(uri: str, opts: AddFormOptions) -> dict[str, Any]:

@@ -346,7 +346,9 @@ class ManifestModelLoader(BaseModelLoader):
         agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
         root, generation = agreed if agreed is not None else (checkpoint, None)
         _failpoints.pause("after-agreement", stem)
-        compile_dir = self._plan_compile_form(vllm_config, options, root, generation, signing_key, encryption_key)
+        compile_dir, identity = self._plan_compile_form(
+            vllm_config, options, root, generation, signing_key, encryption_key
+        )
         if options.source == "base" and (generation is None or generation.base is None):
             raise ConfigurationError(
                 f"{checkpoint}: the load options ask for the base (source='base'), and this checkpoint has none (save "
@@ -359,7 +361,7 @@ class ManifestModelLoader(BaseModelLoader):
                     vllm_config, model_config, prefix, root, generation, options, signing_key, encryption_key, clock,
                     why, fingerprint,
                 )  # fmt: skip
-                return self._compile_ready(model, vllm_config, options, compile_dir)
+                return self._compile_ready(model, compile_dir, identity)
         if fingerprint is None:
             raise undescribed  # type: ignore[misc]
         try:
@@ -406,32 +408,36 @@ class ManifestModelLoader(BaseModelLoader):
         setattr(model, REPORT_ATTR, summary)
         setattr(model, GENERATION_ATTR, generation)
         _log_load(manifest_path, summary)
-        return self._compile_ready(model.eval(), vllm_config, options, compile_dir)
+        return self._compile_ready(model.eval(), compile_dir, identity)
 
     @staticmethod
-    def _plan_compile_form(vllm_config, options, root, generation, signing_key, encryption_key) -> Path | None:
+    def _plan_compile_form(
+        vllm_config, options, root, generation, signing_key, encryption_key
+    ) -> tuple[Path | None, dict | None]:
         """Before the model is built (vLLM reads its compile settings then): the compile form this engine uses, in
         a private directory, or None (said in the log where the checkpoint has one). ``add-form --compile`` compiles
-        into the directory it packs, and uses no form."""
+        into the directory it packs and uses no form; what that form is for (``EngineCompile``) is taken here, at
+        the moment a load decides on a form, because building a model may change its config (a MoE model's)."""
         if options.compile_form_dir is not None:
             compile_placement.compile_into(vllm_config, Path(options.compile_form_dir))
-            return None
+            return None, dataclasses.asdict(compile_placement.EngineCompile.of(vllm_config))
         if generation is None or not generation.compile_forms:
-            return None  # the usual load: no seal computed twice for a form that is not there
+            return None, None  # the usual load: no seal computed twice for a form that is not there
         trusted_by = "signing key" if signing_key is not None else None
         if trusted_by is None and options.trust_compile_forms:
             trusted_by = "trust_compile_forms"
         seal = check_generation_seal(generation, False, signing_key, encryption_key)
-        return compile_placement.use_compile_form(
+        used = compile_placement.use_compile_form(
             vllm_config, generation, root, trusted_by, None if seal is None else seal[1]
         )
+        return used, None
 
     @staticmethod
-    def _compile_ready(model, vllm_config, options, compile_dir):
+    def _compile_ready(model, compile_dir: Path | None, identity: dict | None):
         """What the report says of the compile form, and (``add-form --compile``) what the form is made for."""
         getattr(model, REPORT_ATTR)["compile_form"] = None if compile_dir is None else str(compile_dir)
-        if options.compile_form_dir is not None:
-            setattr(model, COMPILE_IDENTITY_ATTR, dataclasses.asdict(compile_placement.EngineCompile.of(vllm_config)))
+        if identity is not None:
+            setattr(model, COMPILE_IDENTITY_ATTR, identity)
         return model
 
     def _load_from_base(
