@@ -339,6 +339,24 @@ def after_each_compile(callback: Any) -> bool:
     return True
 
 
+def server_batch_defaults(world_size: int) -> dict[str, int]:
+    """The batch sizes ``vllm serve`` takes where none is given (``max_num_seqs``, ``max_num_batched_tokens``): they
+    differ from ``LLM()``'s (vLLM's usage context; on CPU 128 sequences and 2048 tokens a rank against 256 and 4096),
+    and they shape what torch.compile makes."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    defaults = getattr(EngineArgs, "get_batch_defaults", None)
+    if defaults is None:
+        raise UnsupportedVLLMError(
+            f"vLLM {vllm_version()} does not say the batch sizes its server defaults to: give max_num_seqs and "
+            "max_num_batched_tokens as your server runs with"
+        )
+    tokens, sequences = defaults(world_size)
+    server = UsageContext.OPENAI_API_SERVER
+    return {"max_num_seqs": sequences[server], "max_num_batched_tokens": tokens[server]}
+
+
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (vLLM packs MoE experts and 4-bit weights differently then)."""
     import torch

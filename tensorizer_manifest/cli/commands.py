@@ -714,6 +714,7 @@ def _add_form_options() -> type:
         *_options_of(remote_options),
         "allow_unconditional_writes",
         "compile",
+        "for_server",
         click.Option(["--json", "json"], is_flag=True, help="Machine-readable output."),
     ],
     api_only=["engine_args"],
@@ -727,8 +728,9 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
     this machine or this vLLM would not produce, and adds the result as a tensor file and manifest entries
     of its own, sealed again (on S3: the tensor file uploaded first, the manifest last). From then on this
     machine kind loads those layers processed. With --compile, this machine kind's compile form instead: an engine
-    compiles here with the --engine-arg settings (the serving engine's), and later engines with those settings
-    here load its compiled graphs instead of compiling, under a seal checked with their signing key."""
+    compiles here with the --engine-arg settings (the serving engine's; --for-server: `vllm serve`'s batch sizes
+    where none is given), and later engines with those settings here load its compiled graphs instead of
+    compiling, under a seal checked with their signing key."""
     if json:  # stdout holds the JSON alone: vLLM's log (of this process and its workers) goes to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from ..save.add_form import add_form

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from .._vllm_compat import server_batch_defaults
 from ..checks.fingerprint import engine_settings
 from ..errors import CheckpointNotFoundError, ConcurrentWriteError, ConfigurationError
 from ..format.generation import CompileForm, new_generation_id
@@ -29,11 +30,13 @@ from .from_source import encryption_key_file_path, read_model_config, shutdown, 
 
 
 def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_file: str | None,
-                     encryption_key_file: str | None, tensors_at: dict[str, Any] | None = None) -> dict:  # fmt: skip
+                     encryption_key_file: str | None, tensors_at: dict[str, Any] | None = None,
+                     for_server: bool = False) -> dict:  # fmt: skip
     """Make this machine's compile form of the local checkpoint ``directory`` and commit it there; what was added.
     ``tensors_at``: loader options that name where its tensors are, when not beside it (a checkpoint on S3, staged
     in ``directory``). At a parallel layout every rank compiles into the one directory packed (inductor's cache is
-    keyed by what each graph is, so ranks of one layout share a form), and they must agree on what it is for."""
+    keyed by what each graph is, so ranks of one layout share a form), and they must agree on what it is for.
+    ``for_server``: the batch sizes ``vllm serve`` defaults to where ``engine_args`` give none."""
     found = load_generation(directory) if directory.is_dir() else None
     if found is None:
         if directory.is_dir() and any(directory.glob(f"*{MANIFEST_SUFFIX}")):
@@ -51,6 +54,10 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
     engine = engine_settings(generation.form_sets[0].fingerprint) if generation.form_sets else {}
     engine.update(engine_args)
     engine.pop("enforce_eager", None)
+    if for_server:  # what `vllm serve` runs with where engine_args say nothing
+        world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+        for name, value in server_batch_defaults(world).items():
+            engine.setdefault(name, value)
     read_model_config(directory)  # a checkpoint vLLM cannot read is refused here, before an engine starts
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-compile-cache-") as cache:
         loader_config: dict[str, Any] = {"compile_form_dir": cache, **(tensors_at or {})}

@@ -68,6 +68,12 @@ class AddFormOptions(S3Options):
         "under a seal checked with its signing key (or trust_compile_forms). A checkpoint of format 3; at another "
         "layout (tensor_parallel_size, pipeline_parallel_size), one form serves every rank of it.",
     )
+    for_server: bool = Field(
+        False,
+        description="With compile: make the form for `vllm serve`, whose batch sizes default otherwise than "
+        "LLM()'s (max_num_seqs, max_num_batched_tokens: on CPU 128 and 2048 a rank, against 256 and 4096); they "
+        "shape the compiled graph, so a form made for one is not used by the other. Those given in engine_args win.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Further vllm.LLM keyword arguments. The engine settings a checkpoint records (dtype, "
@@ -101,6 +107,8 @@ def add_form(checkpoint: str | os.PathLike, **options: Any) -> AddFormResult:
     checkpoint as it was.
     """
     opts = parse_options(AddFormOptions, options, "add-form option")
+    if opts.for_server and not opts.compile:
+        raise ConfigurationError("for_server is an option of compile forms (add-form --compile --for-server)")
     if opts.compile:
         return _add_compile_form(checkpoint, opts)
     if is_remote(str(checkpoint)):
@@ -176,7 +184,8 @@ def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> Ad
         if opts.s3_access_key_id or opts.s3_secret_access_key or opts.s3_endpoint:
             raise ConfigurationError("the s3_* options are for an s3:// checkpoint; this one is a local directory")
         directory = Path(checkpoint).expanduser().resolve()
-        added = add_compile_form(directory, engine_args, opts.signing_key_file, opts.encryption_key_file)
+        added = add_compile_form(directory, engine_args, opts.signing_key_file, opts.encryption_key_file,
+                                 for_server=opts.for_server)  # fmt: skip
         return AddFormResult(checkpoint=directory, ranks=[added])
     uri = str(checkpoint)
     store = _writable_store(uri, opts)
@@ -185,7 +194,7 @@ def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> Ad
         store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
         refresh_top_level(stage)
         added = add_compile_form(stage, engine_args, opts.signing_key_file, opts.encryption_key_file,
-                                 tensors_at=_remote_loader_options(uri, opts))  # fmt: skip
+                                 tensors_at=_remote_loader_options(uri, opts), for_server=opts.for_server)  # fmt: skip
         publish_to_s3(stage, uri, opts.remote(), allow_unconditional_writes=opts.allow_unconditional_writes,
                       only_over_its_parent=True)  # fmt: skip
     added["archive"] = f"{uri}/{added['archive']}"

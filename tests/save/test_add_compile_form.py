@@ -30,6 +30,8 @@ def test_no_checkpoint_an_eager_engine_or_a_layout_given_twice_are_refused(tmp_p
         add_form(checkpoint, compile=True, tensor_parallel_size=2, engine_args={"tensor_parallel_size": 1})
     with pytest.raises(ConfigurationError, match="the s3_\\* options are for an s3:// checkpoint"):
         add_form(checkpoint, compile=True, s3_endpoint="http://127.0.0.1:1")
+    with pytest.raises(ConfigurationError, match="for_server is an option of compile forms"):
+        add_form(checkpoint, for_server=True)
 
 
 def test_an_http_checkpoint_is_refused_and_an_s3_one_of_an_older_format_names_what_to_do(moto_s3, tmp_path):
