@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, ConfigurationError, IntegrityError, TensorizerManifestError
 from ..format.generation import Generation
 from ..format.schema import EncryptionKey, Manifest, SigningKey, blake3_hex
-from ..storage.compile_archive import check_archive
+from ..storage.compile_archive import check_archive, read_archive
 from .seal import check_generation_seal
 
 #: A model file read whole by ``validate`` is refused above this (config and tokenizer files are small).
@@ -86,8 +86,7 @@ def generation_problems(
     for form in generation.compile_forms:
         location = root / form.archive.path  # type: ignore[operator]
         try:
-            data = location.read_bytes() if isinstance(location, Path) else location.read_bytes(form.archive.size)
-            check_archive(data, form.archive, form.files, str(location))
+            check_archive(read_archive(root, form.archive), form.archive, form.files, str(location))
         except IntegrityError as exc:
             problems.append((IntegrityError, str(location), f"the compile form's archive: {exc}"))
         except (OSError, TensorizerManifestError) as exc:

@@ -39,7 +39,7 @@ import torch
 from .. import _vllm_compat
 from ..errors import IntegrityError, TensorizerManifestError
 from ..format.generation import CompileForm, Generation
-from ..storage.compile_archive import unpack
+from ..storage.compile_archive import read_archive, unpack
 
 logger = logging.getLogger("vllm.tensorizer_manifest")
 
@@ -234,9 +234,7 @@ def use_compile_form(
     target = Path(tempfile.mkdtemp(prefix="tensorizer-manifest-compile-"))
     archive = f"{root}/{form.archive.path}"
     try:
-        location = root / form.archive.path
-        data = location.read_bytes() if isinstance(location, Path) else location.read_bytes(form.archive.size)
-        unpack(data, form.archive, form.files, target, archive)
+        unpack(read_archive(root, form.archive), form.archive, form.files, target, archive)
     except (OSError, TensorizerManifestError) as exc:
         shutil.rmtree(target, ignore_errors=True)
         return not_used(str(exc) if isinstance(exc, IntegrityError) else f"{archive}: not readable ({exc})")

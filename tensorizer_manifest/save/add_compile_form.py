@@ -102,16 +102,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
         publication = publish.begin(directory, new_generation_id(), parent=generation.id, read_parent=False)
         name = f"compile-{blake3_hex(' '.join(identity['machine']).encode())[7:23]}.bin"
         archive, files = pack(Path(cache), publication.folder / name, publication.relative(name))
-    form = CompileForm(
-        machine=identity["machine"],
-        vllm_version=identity["vllm_version"],
-        torch_version=identity["torch_version"],
-        config_hash=identity["config_hash"],
-        settings=identity["settings"],
-        aot=False,
-        archive=archive,
-        files=files,
-    )
+    form = CompileForm(**identity, aot=False, archive=archive, files=files)  # identity: ``EngineCompile``'s fields
     kept = [f for f in generation.compile_forms if (f.machine, f.vllm_version, f.torch_version, f.config_hash)
             != (form.machine, form.vllm_version, form.torch_version, form.config_hash)]  # fmt: skip
     committed = publish.commit(

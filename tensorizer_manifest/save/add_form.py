@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,16 +149,19 @@ def _add_form_remote(uri: str, opts: AddFormOptions) -> AddFormResult:
     return AddFormResult(checkpoint=uri, ranks=result.ranks)
 
 
-def _add_form_to_generations(uri: str, store: S3Checkpoint, opts: AddFormOptions) -> AddFormResult:
+def _add_form_to_generations(
+    uri: str, store: S3Checkpoint, opts: AddFormOptions, write: Callable[[Path], AddFormResult] | None = None
+) -> AddFormResult:
     """An ``s3://`` checkpoint of format version 3: its current generation is staged without its tensor files (the
-    engine streams those from ``uri``), the form is committed there as a new generation over it, and that one is
-    published to ``uri`` only over the generation the engine loaded (``ConcurrentWriteError`` when a save or
-    another add-form committed since: nothing of this one is then current, and ``gc`` removes what it uploaded)."""
+    engine streams those from ``uri``), ``write`` (by default the layers' or layout's form, ``_add_form``) commits
+    there a new generation over it, and that one is published to ``uri`` only over the generation the engine loaded
+    (``ConcurrentWriteError`` when a save or another add-form committed since: nothing of this one is then current,
+    and ``gc`` removes what it uploaded)."""
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
-        store.stage(stage)
+        store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
         refresh_top_level(stage)  # the model files and stubs where vLLM's ``model`` path reads them
-        result = _add_form(stage, opts, checkpoint_dir=uri)
+        result = write(stage) if write is not None else _add_form(stage, opts, checkpoint_dir=uri)
         if any(rank.get("generation") for rank in result.ranks):
             publish_to_s3(  # over its parent, as sealed in the stage: nothing to seal again, no key needed
                 stage,
@@ -188,17 +192,16 @@ def _add_compile_form(checkpoint: str | os.PathLike, opts: AddFormOptions) -> Ad
                                  for_server=opts.for_server)  # fmt: skip
         return AddFormResult(checkpoint=directory, ranks=[added])
     uri = str(checkpoint)
-    store = _writable_store(uri, opts)
-    with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
-        stage = Path(staging)
-        store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
-        refresh_top_level(stage)
+
+    def write(stage: Path) -> AddFormResult:
         added = add_compile_form(stage, engine_args, opts.signing_key_file, opts.encryption_key_file,
                                  tensors_at=_remote_loader_options(uri, opts), for_server=opts.for_server)  # fmt: skip
-        publish_to_s3(stage, uri, opts.remote(), allow_unconditional_writes=opts.allow_unconditional_writes,
-                      only_over_its_parent=True)  # fmt: skip
-    added["archive"] = f"{uri}/{added['archive']}"
-    return AddFormResult(checkpoint=uri, ranks=[added])
+        return AddFormResult(checkpoint=stage, ranks=[added])
+
+    result = _add_form_to_generations(uri, _writable_store(uri, opts), opts, write)
+    for added in result.ranks:
+        added["archive"] = f"{uri}/{added['archive']}"
+    return result
 
 
 def _writable_store(uri: str, opts: AddFormOptions) -> S3Checkpoint:

@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
+
 from ..errors import IntegrityError
 from ..format.generation import INSIDE_PATTERN, CompileFile, FileRef
 from ..format.schema import blake3_hex
@@ -50,14 +52,22 @@ def pack(directory: Path, archive: Path, archive_path: str) -> tuple[FileRef, li
     the checkpoint is ``archive_path``) and each file's entry."""
     files: list[CompileFile] = []
     offset = 0
+    whole = blake3.blake3()
     with open(archive, "xb") as out:
         for relative, path in cache_files(directory):
             data = path.read_bytes()
             out.write(data)
+            whole.update(data)
             files.append(CompileFile(path=relative, offset=offset, size=len(data), hash=blake3_hex(data)))
             offset += len(data)
-    data = archive.read_bytes()
-    return FileRef(path=archive_path, size=len(data), hash=blake3_hex(data)), files
+    return FileRef(path=archive_path, size=offset, hash="blake3:" + whole.hexdigest()), files
+
+
+def read_archive(root: object, archive: FileRef) -> bytes:
+    """The archive's bytes, from the checkpoint ``root`` (a ``Path`` or a ``RemoteDir``, read no further than the
+    size the generation records)."""
+    location = root / archive.path  # type: ignore[operator]
+    return location.read_bytes() if isinstance(location, Path) else location.read_bytes(archive.size)
 
 
 def check_archive(data: bytes, archive: FileRef, files: list[CompileFile], where: str) -> None:
