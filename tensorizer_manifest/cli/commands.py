@@ -800,7 +800,7 @@ def fetch(uri: str, cache_dir: Path, **remote) -> None:
 
 
 @app.command()
-@click.argument("checkpoint", type=_PATH)
+@click.argument("checkpoint")
 @click.option(
     "--grace",
     type=click.FloatRange(min=0),
@@ -813,19 +813,45 @@ def fetch(uri: str, cache_dir: Path, **remote) -> None:
     type=click.FloatRange(min=0),
     default=86400.0,
     show_default=True,
-    help="Seconds files no generation names (a writer killed, or still writing) stay after their last write.",
+    help="Seconds files no committed generation names (a writer killed, or still writing) stay after their last "
+    "write; longer than your slowest save.",
+)
+@click.option(
+    "--keep",
+    "keep",
+    multiple=True,
+    metavar="GENERATION_ID",
+    help="Keep this generation and every file it names, whatever its age (one vLLM serves as "
+    "CHECKPOINT/generations/<id>). Repeatable.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 @click.option("--json", "json", is_flag=True, help="Machine-readable output.")
-def gc(checkpoint: Path, grace: float, orphan_grace: float, dry_run: bool, json: bool) -> None:
-    """Remove the files of CHECKPOINT (format version 3) that no generation current within the grace period names.
+@remote_options
+def gc(checkpoint: str, grace: float, orphan_grace: float, keep: tuple[str, ...], dry_run: bool, json: bool,
+       **remote) -> None:  # fmt: skip
+    """Remove the files of CHECKPOINT (format version 3; a directory or an s3:// URI) that no generation current
+    within the grace period names, and orphans past theirs. Ages are read off the storage's own clock.
 
     Writers do this after each commit with the defaults; run it to reclaim space sooner or on a schedule."""
-    from ..storage.generations import LocalCheckpoint
+    from ..errors import ConfigurationError
+    from ..format.generation import is_generation_id
+    from ..storage.generations import LocalCheckpoint, S3Checkpoint
+    from ..storage.remote import RemoteDir
 
-    store = LocalCheckpoint(checkpoint)
     try:
-        plan = store.plan_gc(grace_s=grace, orphan_grace_s=orphan_grace)
+        for generation_id in keep:
+            if not is_generation_id(generation_id):
+                raise ConfigurationError(
+                    f"--keep {generation_id}: not a generation id (a folder name under generations/, as "
+                    "'tensorizer-manifest inspect' lists them)"
+                )
+        location = _location(checkpoint)
+        if isinstance(location, str) and not location.startswith("s3://"):
+            raise ConfigurationError(f"{location}: gc removes files; an http(s) checkpoint is read-only")
+        store = LocalCheckpoint(location) if isinstance(location, Path) else S3Checkpoint(
+            RemoteDir(location, _remote(**remote))
+        )  # fmt: skip
+        plan = store.plan_gc(grace_s=grace, orphan_grace_s=orphan_grace, keep=keep)
         removed = [] if dry_run else store.gc(plan)
     except TensorizerManifestError as exc:
         _fail(exc)
@@ -835,7 +861,7 @@ def gc(checkpoint: Path, grace: float, orphan_grace: float, dry_run: bool, json:
         console().print_json(json_dumps(report))
         return
     console().print(f"current generation {plan.current}; kept: {', '.join(plan.kept_generations)}", highlight=False)
-    for path in plan.delete:
+    for path in plan.delete if dry_run else removed:
         console().print(f"{'would remove' if dry_run else 'removed'} {path}", highlight=False)
     for path, why in plan.waiting.items():
         console().print(f"kept for now: {path} ({why})", highlight=False)

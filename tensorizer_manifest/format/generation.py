@@ -43,6 +43,10 @@ POINTER_NAME = "tensorizer-manifest.json"
 GENERATIONS_DIR = "generations"
 """Each generation's own files are under ``generations/<id>/``."""
 GENERATION_DOCUMENT = "generation.json"
+COMMIT_MARK = "committed"
+"""Written into a generation's folder by its writer just after the pointer swap that committed it (the pointer's
+bytes, create-only): its timestamp, by the storage's clock, is when the generation's parent stopped being current
+(``gc``'s grace runs from it). Named by no document; readers never need it."""
 STUB = b'{"format_version": 3, "pointer": "' + POINTER_NAME.encode() + b'"}\n'
 """What a reader of format version 1 or 2 finds at a rank's old manifest name: "version 3, upgrade" (constant
 bytes, so writing it again changes nothing), never the manifest of an older save."""
@@ -243,6 +247,11 @@ def new_generation_id(now: float | None = None) -> str:
 def generation_document_path(generation_id: str) -> str:
     """``generations/<id>/generation.json``."""
     return f"{GENERATIONS_DIR}/{generation_id}/{GENERATION_DOCUMENT}"
+
+
+def commit_mark_path(generation_id: str) -> str:
+    """``generations/<id>/committed``."""
+    return f"{GENERATIONS_DIR}/{generation_id}/{COMMIT_MARK}"
 
 
 def generation_dir(generation_id: str) -> str:

@@ -12,13 +12,19 @@ generation (``refresh_top_level``, ``refresh_remote_top_level``). No torch, no v
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import _failpoints
-from ..errors import CheckpointNotFoundError, ConcurrentWriteError, IntegrityError, RemoteNotFoundError
+from ..errors import (
+    CheckpointNotFoundError,
+    ConcurrentWriteError,
+    IntegrityError,
+    RemoteNotFoundError,
+    RemoteStorageError,
+    TensorizerManifestError,
+)
 from ..format.generation import (
     GENERATION_DOCUMENT,
     GENERATIONS_DIR,
@@ -27,6 +33,7 @@ from ..format.generation import (
     FileRef,
     Generation,
     Pointer,
+    commit_mark_path,
     decode_generation,
     decode_pointer,
     encode_generation,
@@ -36,7 +43,7 @@ from ..format.generation import (
     pointer_to,
 )
 from ..format.schema import blake3_hex
-from .files import create_only, exclusive_lock, replace_atomically
+from .files import create_only, exclusive_lock, replace_atomically, temporary_name
 from .remote import RemoteDir, list_objects, probe_conditional_writes
 
 #: ``gc``'s defaults: a generation stays this long after a newer one is committed (readers that read the older
@@ -44,6 +51,19 @@ from .remote import RemoteDir, list_objects, probe_conditional_writes
 #: file was written.
 GRACE_S = 10 * 60.0
 ORPHAN_GRACE_S = 24 * 3600.0
+
+#: In a local stage of a remote checkpoint (``_Store.stage``): the files its generation names that stayed remote
+#: (its tensor files), one path a line, so that a commit over the stage does not take them for removed.
+STAGED_ELSEWHERE = ".tensorizer-manifest-staged-elsewhere"
+
+
+@dataclass(frozen=True)
+class GcSettings:
+    """How long ``gc`` keeps what: see ``_Store.plan_gc``."""
+
+    grace_s: float = GRACE_S
+    orphan_grace_s: float = ORPHAN_GRACE_S
+    keep: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,7 @@ class GcPlan:
     each generation's document after its other files."""
     waiting: dict[str, str] = field(default_factory=dict)
     """Files not named by a kept generation that stay for now, with why (an orphan still young)."""
+    settings: GcSettings = GcSettings()
 
 
 class _Store:
@@ -81,8 +102,18 @@ class _Store:
     def _delete(self, relative: str) -> None:
         raise NotImplementedError
 
-    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
-        """Replace the pointer with ``data`` only if it still names ``parent`` (None: there is none)."""
+    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
+        """Replace the pointer with ``data`` only if it still names ``generation.parent`` (None: there is none) and
+        ``check()`` raises nothing just before (under the writers' lock where the store has one)."""
+        raise NotImplementedError
+
+    def _stamp(self, relative: str) -> float | None:
+        """When ``relative`` was last written, by the storage's clock; None where there is none."""
+        raise NotImplementedError
+
+    def clock(self) -> float:
+        """The storage's clock now: the timestamp of a scratch file written for it (and removed). ``gc`` measures
+        every age by this clock, never the host's, so a host whose clock runs fast removes nothing young."""
         raise NotImplementedError
 
     def _tidy(self) -> None:
@@ -151,6 +182,8 @@ class _Store:
                 )
             local.put(ref.path, data)
         local.put(generation_document_path(generation.id), document)
+        elsewhere = sorted(set(generation.named_paths()) - {ref.path for ref in refs})
+        replace_atomically(local.root / STAGED_ELSEWHERE, "".join(f"{path}\n" for path in elsewhere).encode())
         replace_atomically(local.pointer_path, encode_pointer(pointer))
         return generation
 
@@ -186,7 +219,10 @@ class _Store:
 
     def commit(self, generation: Generation) -> Pointer:
         """Write ``generation``'s document, then make it current: only if the pointer still names its parent
-        (``Generation.parent``; None: there was none), else ``ConcurrentWriteError`` and the pointer stays.
+        (``Generation.parent``; None: there was none), else ``ConcurrentWriteError`` and the pointer stays; and
+        only if every file it names is there at the swap (a ``gc`` may have removed a slow writer's files, or an
+        older generation's it names), else ``CheckpointNotFoundError`` naming them, and the pointer stays. Then
+        the commit's mark (``COMMIT_MARK``), from which ``gc`` counts the parent's grace.
 
         Safe to try again after a failure (a pointer write that timed out): the document an earlier try wrote is
         accepted where its bytes are these, and a try that did commit is not committed twice."""
@@ -197,10 +233,35 @@ class _Store:
         pointer = pointer_to(generation.id, document)
         if not self.create_again(path, document, generation.id):  # an earlier try of this commit wrote it
             if self.current_generation_id() == generation.id:
+                self._mark(pointer)
                 return pointer  # that try committed: done
         _failpoints.pause("before-commit", generation.id)
-        self._swap_pointer(encode_pointer(pointer), generation.parent)
+        self._swap_pointer(encode_pointer(pointer), generation, lambda: self._check_named(generation))
+        self._mark(pointer)
         return pointer
+
+    def _check_named(self, generation: Generation) -> None:
+        """Every file ``generation`` names, and its document, are there (what the swap is about to make current)."""
+        wanted = [generation_document_path(generation.id), *generation.named_paths()]
+        missing = self._missing(wanted)
+        if missing:
+            raise CheckpointNotFoundError(
+                f"{self.where}: generation {generation.id} names files that are gone ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}): a gc removed them while this write was under way (slower "
+                "than its orphan grace, or naming an old generation's files); nothing was committed: write it again"
+            )
+
+    def _missing(self, relatives: list[str]) -> list[str]:
+        """Those of ``relatives`` that are not there."""
+        present = {relative for relative, _ in self._files()}
+        return [relative for relative in relatives if relative not in present]
+
+    def _mark(self, pointer: Pointer) -> None:
+        """The commit's mark: best effort (without it ``gc`` counts the grace from a later, safe time)."""
+        try:
+            self.create(commit_mark_path(pointer.generation), encode_pointer(pointer))
+        except (OSError, TensorizerManifestError):
+            pass
 
     def _refuse(self, now: str | None, parent: str | None) -> ConcurrentWriteError:
         return ConcurrentWriteError(
@@ -210,32 +271,61 @@ class _Store:
 
     # --- gc -------------------------------------------------------------------------------------------------
 
-    def plan_gc(self, grace_s: float = GRACE_S, orphan_grace_s: float = ORPHAN_GRACE_S, now: float | None = None):
-        """What ``gc`` would do now; nothing is removed. A checkpoint without a pointer is refused (typed)."""
-        now = time.time() if now is None else now
+    def plan_gc(
+        self,
+        grace_s: float = GRACE_S,
+        orphan_grace_s: float = ORPHAN_GRACE_S,
+        now: float | None = None,
+        keep: tuple[str, ...] = (),
+    ) -> GcPlan:
+        """What ``gc`` would do now; nothing is removed. A checkpoint without a pointer is refused (typed).
+
+        *Committed* generations are the current one and its ancestors (the ``parent`` walk). One stays while it was
+        current less than ``grace_s`` ago, by the storage's clock (``now``, else ``clock()``): the current
+        generation's parent stopped being current when the pointer was last written; an older one when its child's
+        commit mark was written, or at the latest when its grandchild's document was (that writer read the child as
+        current). Every other folder is an *orphan* (a writer still at work, one killed, a loser of a race), removed
+        only once its newest file is older than ``orphan_grace_s``. ``keep``: generation ids kept with every file
+        they name, whatever their age (a generation vLLM was given as its ``model``). The files are listed between
+        two reads of the pointer, so a commit meanwhile makes the plan again."""
+        settings = GcSettings(grace_s, orphan_grace_s, tuple(keep))
+        now = self.clock() if now is None else now
         pointer = self.read_pointer()
-        if pointer is None:
-            raise CheckpointNotFoundError(
-                f"{self.where}: no {POINTER_NAME}; gc works on checkpoints of format version 3 only"
-            )
-        files = self._files()
+        for _ in range(8):
+            if pointer is None:
+                raise CheckpointNotFoundError(
+                    f"{self.where}: no {POINTER_NAME}; gc works on checkpoints of format version 3 only"
+                )
+            _failpoints.pause("gc-after-pointer", pointer.generation)
+            files = self._files()
+            swapped = self._stamp(POINTER_NAME)
+            again = self.read_pointer()
+            if again == pointer:
+                break
+            pointer = again  # a commit while listing: list again
+        else:
+            raise ConcurrentWriteError(f"{self.where}: writers committed all the while gc listed; run it again")
+        return self._plan(pointer, files, now, now if swapped is None else swapped, settings)
+
+    def _plan(
+        self, pointer: Pointer, files: list[tuple[str, float]], now: float, swapped: float, settings: GcSettings
+    ) -> GcPlan:
         written = dict(files)
+        chain = self._chain(pointer)
         kept: dict[str, Generation] = {}
-        generation: Generation | None = self.read_generation(pointer.generation, pointer.hash)
-        while generation is not None:
-            kept[generation.id] = generation
-            if generation.parent is None:
-                break
-            # The parent stopped being current when this generation was committed, just after its document was
-            # written: the document's timestamp, by the storage's own clock, is when.
-            retired = written.get(generation_document_path(generation.id), now)
-            if now - retired >= grace_s:
-                break
-            try:
-                generation = self.read_generation(generation.parent)
-            except CheckpointNotFoundError:
-                break  # removed by an earlier gc
-        keep = {path for g in kept.values() for path in [generation_document_path(g.id), *g.named_paths()]}
+        for k, generation in enumerate(chain):
+            recent = k == 0 or now - self._retired_at(chain, k, written, swapped) < settings.grace_s
+            if recent or generation.id in settings.keep:
+                kept[generation.id] = generation
+        for generation_id in settings.keep:
+            if generation_id not in kept:
+                kept[generation_id] = self.read_generation(generation_id)  # a pinned generation off the walk
+        keep = {
+            path
+            for g in kept.values()
+            for path in [generation_document_path(g.id), commit_mark_path(g.id), *g.named_paths()]
+        }
+        committed = {g.id for g in chain}
         newest: dict[str, float] = {}
         for relative, mtime in files:
             folder = relative.split("/")[1]
@@ -245,18 +335,44 @@ class _Store:
             folder = relative.split("/")[1]
             if relative in keep or not is_generation_id(folder):
                 continue
-            committed = f"{GENERATIONS_DIR}/{folder}/{GENERATION_DOCUMENT}" in written
-            if not committed and newest[folder] > now - orphan_grace_s:
+            if folder not in committed and newest[folder] > now - settings.orphan_grace_s:
                 waiting[relative] = "not committed, written within the orphan grace period (a writer may be at it)"
                 continue
             (documents if relative.endswith("/" + GENERATION_DOCUMENT) else delete).append(relative)
-        plan = GcPlan(current=pointer.generation, kept_generations=list(kept), delete=delete + documents)
-        plan.waiting.update(waiting)
-        return plan
+        return GcPlan(
+            current=pointer.generation,
+            kept_generations=list(kept),
+            delete=delete + documents,
+            waiting=waiting,
+            settings=settings,
+        )
+
+    def _chain(self, pointer: Pointer) -> list[Generation]:
+        """The current generation and its ancestors, newest first, as far as their documents are there."""
+        chain = [self.read_generation(pointer.generation, pointer.hash)]
+        while chain[-1].parent is not None:
+            try:
+                chain.append(self.read_generation(chain[-1].parent))
+            except CheckpointNotFoundError:
+                break  # removed by an earlier gc
+        return chain
+
+    @staticmethod
+    def _retired_at(chain: list[Generation], k: int, written: dict[str, float], swapped: float) -> float:
+        """When ``chain[k]`` (k >= 1) stopped being current, or a later time (never an earlier one: a later one only
+        keeps it longer): the current generation's parent when the pointer was last written (``swapped``); an older
+        one when its child's commit mark was written, else when its grandchild's document was (that writer read the
+        child as current, after its commit)."""
+        if k == 1:
+            return swapped
+        mark = written.get(commit_mark_path(chain[k - 1].id))
+        return mark if mark is not None else written.get(generation_document_path(chain[k - 2].id), swapped)
 
     def gc(self, plan: GcPlan) -> list[str]:
-        """Remove what ``plan`` says, documents last (a ``gc`` killed midway leaves a walk the next one can follow).
-        Returns the paths removed."""
+        """Remove what ``plan`` says, documents last (a ``gc`` killed midway leaves a walk the next one can follow);
+        where a writer committed since the plan was made, what a new plan says. Returns the paths removed."""
+        if self.current_generation_id() != plan.current:
+            plan = self.plan_gc(plan.settings.grace_s, plan.settings.orphan_grace_s, keep=plan.settings.keep)
         for relative in plan.delete:
             self._delete(relative)
         self._tidy()
@@ -300,6 +416,33 @@ class LocalCheckpoint(_Store):
     def _delete(self, relative: str) -> None:
         (self.root / relative).unlink(missing_ok=True)
 
+    def _missing(self, relatives: list[str]) -> list[str]:
+        try:  # a stage (``_Store.stage``) holds these where it was staged from, not here
+            elsewhere = set((self.root / STAGED_ELSEWHERE).read_text().split())
+        except FileNotFoundError:
+            elsewhere = set()
+        return [path for path in relatives if path not in elsewhere and not (self.root / path).is_file()]
+
+    def _stamp(self, relative: str) -> float | None:
+        try:
+            return (self.root / relative).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def clock(self) -> float:
+        scratch = self.root / temporary_name("gc-clock")
+        scratch.write_bytes(b"")
+        try:
+            return scratch.stat().st_mtime
+        finally:
+            scratch.unlink(missing_ok=True)
+
+    def gc(self, plan: GcPlan) -> list[str]:
+        """``_Store.gc`` under the writers' lock: no commit (which checks its files under the same lock) comes
+        between the pointer read again and the removals."""
+        with self.lock():
+            return super().gc(plan)
+
     def _tidy(self) -> None:
         for folder in sorted((self.root / GENERATIONS_DIR).glob("**/"), key=lambda p: len(p.parts), reverse=True):
             if folder != self.root / GENERATIONS_DIR:
@@ -308,11 +451,12 @@ class LocalCheckpoint(_Store):
                 except OSError:
                     pass
 
-    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
+    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
         with self.lock():
             now = self.current_generation_id()
-            if now != parent:
-                raise self._refuse(now, parent)
+            if now != generation.parent:
+                raise self._refuse(now, generation.parent)
+            check()
             replace_atomically(self.pointer_path, data)  # the commit point
 
 
@@ -358,17 +502,36 @@ class S3Checkpoint(_Store):
     def _delete(self, relative: str) -> None:
         (self.root / relative).delete()
 
-    def _swap_pointer(self, data: bytes, parent: str | None) -> None:
+    def _stamp(self, relative: str) -> float | None:
+        return (self.root / relative).last_modified()
+
+    def clock(self) -> float:
+        scratch = self.root / temporary_name("tensorizer-manifest-clock")
+        scratch.put_bytes(b"")
+        try:
+            stamp = scratch.last_modified()
+        finally:
+            scratch.delete()
+        if stamp is None:
+            raise RemoteStorageError(f"{scratch}: written, then not found; the server's clock cannot be read")
+        return stamp
+
+    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
+        parent = generation.parent
         probe_conditional_writes(self.root, self.allow_unconditional_writes)
         if parent is not None and parent not in self._pointer_etag:
             self.read_pointer()  # the ETag of the version that names the parent, if it still does
         etag = None if parent is None else self._pointer_etag.get(parent)
         if parent is not None and etag is None:
             raise self._refuse(self.current_generation_id(), parent)
+        check()
         try:
             (self.root / POINTER_NAME).put_if(data, etag)  # the commit point
         except ConcurrentWriteError:
-            raise self._refuse(self.current_generation_id(), parent) from None
+            now = self.current_generation_id()
+            if now == generation.id:  # a try whose answer was lost did it (ids never repeat): committed
+                return
+            raise self._refuse(now, parent) from None
 
 
 # --- the top level: what vLLM's ``model`` path and readers of versions 1 and 2 find ---------------------------

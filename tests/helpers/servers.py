@@ -320,7 +320,8 @@ class Fault:
     server is gone, nothing listens there any more); ``stall_after`` (forward, then send nothing more after
     so many body bytes, 0: the headers only, the connection kept open until the proxy stops);
     ``swap_after`` (after so many body bytes, send the bytes of ``replacement`` at the same offsets: another
-    version of the object from there on).
+    version of the object from there on); ``drop_answer`` (forward, let the server apply it, then close the
+    connection before a byte of the answer: a write that landed and whose answer was lost).
     ``before`` runs before forwarding, ``during`` once after ``during_after`` body bytes (e.g. replace the
     object on the server).
     """
@@ -339,6 +340,7 @@ class Fault:
     stall_after: int | None = None
     swap_after: int | None = None
     replacement: bytes | None = None
+    drop_answer: bool = False
     before: Callable[[], None] | None = None
     during: Callable[[], None] | None = None
     during_after: int = 0
@@ -459,6 +461,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _relay(self, record: Request, fault: Fault | None, response) -> None:
         record.status = response.status
+        if fault is not None and fault.drop_answer:
+            record.fault = "answer dropped"
+            response.read()
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+            self.connection.close()
+            raise _Cut
         headers = [(k, v) for k, v in response.getheaders() if k.lower() not in _HOP_BY_HOP]
         has_body = self.command != "HEAD" and response.status not in (204, 304)
         length = response.getheader("Content-Length")

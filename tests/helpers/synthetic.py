@@ -123,6 +123,24 @@ def write_synthetic_checkpoint(
     return out_dir
 
 
+def save_generation(root: Path, source: Path, seed: int = 0, fallbacks: bool = True):
+    """One save of the synthetic capture as a generation of the format-3 checkpoint ``root`` (its model files
+    copied from ``source``), committed over the generation current when it began. Returns the generation."""
+    from tensorizer_manifest.format import generation as g
+    from tensorizer_manifest.save import publish
+
+    publication = publish.begin(root, g.new_generation_id())
+    manifest = write_checkpoint(make_capture(seed, fallbacks=fallbacks), publication.folder, "model")
+    layout = g.Layout()
+    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
+    return publish.commit(
+        publication,
+        made_by="save",
+        form_sets=[publish.form_set(layout, manifest.fingerprint, ranks)],
+        model_files=publish.copy_model_files(publication, source),
+    )
+
+
 if __name__ == "__main__":  # used by the crash-safety test: write, forever, until killed
     import sys
 

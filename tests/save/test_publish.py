@@ -8,6 +8,7 @@ import json
 
 import pytest
 from helpers.synthetic import experts_form_capture, make_capture
+from helpers.synthetic import save_generation as _save
 
 from tensorizer_manifest.checks.validate import validate_checkpoint
 from tensorizer_manifest.errors import ConcurrentWriteError, ConfigurationError, ManifestVersionError
@@ -18,19 +19,6 @@ from tensorizer_manifest.save.write import write_added_form, write_checkpoint
 from tensorizer_manifest.storage.checkpoint import load_manifest, read_manifest, signing_key_from
 from tensorizer_manifest.storage.generations import LocalCheckpoint
 from tensorizer_manifest.storage.remote_checkpoint import publish_to_s3
-
-
-def _save(root, source, seed=0, fallbacks=True):
-    publication = publish.begin(root, g.new_generation_id())
-    manifest = write_checkpoint(make_capture(seed, fallbacks=fallbacks), publication.folder, "model")
-    layout = g.Layout()
-    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
-    return publish.commit(
-        publication,
-        made_by="save",
-        form_sets=[publish.form_set(layout, manifest.fingerprint, ranks)],
-        model_files=publish.copy_model_files(publication, source),
-    )
 
 
 @pytest.fixture

@@ -161,6 +161,7 @@ def test_gc_keeps_what_a_recent_reader_may_read_and_removes_the_rest(tmp_path):
     _age(tmp_path, g.generation_dir(g1), 7200, now)
     _age(tmp_path, g.generation_dir(g2), 3600, now)
     _age(tmp_path, g.generation_dir(g3), 60, now)
+    _age(tmp_path, g.POINTER_NAME, 60, now)  # the pointer was swapped to g3 then
     young_orphan = store.put(f"{g.generation_dir(g.new_generation_id())}/model.tensors", b"being written").path
     old_orphan_id = g.new_generation_id()
     old_orphan = store.put(f"{g.generation_dir(old_orphan_id)}/model.tensors", b"killed writer").path
@@ -170,7 +171,7 @@ def test_gc_keeps_what_a_recent_reader_may_read_and_removes_the_rest(tmp_path):
     assert plan.current == g3
     assert plan.kept_generations == [g3, g2]  # g2 retired a minute ago: a reader may still read it
     assert sorted(plan.delete) == sorted(
-        [old_orphan, f"{g.generation_dir(g1)}/config.json", g.generation_document_path(g1)]
+        [old_orphan, f"{g.generation_dir(g1)}/config.json", g.commit_mark_path(g1), g.generation_document_path(g1)]
     )
     assert plan.delete[-1] == g.generation_document_path(g1)  # documents last
     assert young_orphan in plan.waiting
@@ -187,6 +188,26 @@ def test_gc_keeps_what_a_recent_reader_may_read_and_removes_the_rest(tmp_path):
     assert later.kept_generations == [g3]
 
 
+def test_a_generation_whose_child_left_no_commit_mark_is_retired_no_earlier_than_its_grandchild_was_written(
+    tmp_path,
+):
+    """A writer killed between its pointer swap and its mark: its parent's grace runs from the next writer's
+    document, which that writer wrote after it read the child as current (a later time, never an earlier one)."""
+    store = LocalCheckpoint(tmp_path)
+    now = time.time()
+    g1 = store.commit(_new(store, None, b"g1")).generation
+    g2 = store.commit(_new(store, g1, b"g2")).generation
+    g3 = store.commit(_new(store, g2, b"g3")).generation
+    _age(tmp_path, g.generation_dir(g1), 7200, now)
+    _age(tmp_path, g.generation_dir(g2), 3600, now)
+    _age(tmp_path, g.generation_dir(g3), 1800, now)
+    _age(tmp_path, g.POINTER_NAME, 1800, now)
+    assert store.plan_gc(grace_s=2000, now=now).kept_generations == [g3, g2]  # g1 retired at g2's mark, 3600 s ago
+    (tmp_path / g.commit_mark_path(g2)).unlink()
+    assert store.plan_gc(grace_s=2000, now=now).kept_generations == [g3, g2, g1]  # at the latest 1800 s ago
+    assert store.plan_gc(grace_s=1000, now=now).kept_generations == [g3]
+
+
 def test_gc_keeps_a_file_the_current_generation_shares_with_an_old_one(tmp_path):
     store = LocalCheckpoint(tmp_path)
     now = time.time()
@@ -200,8 +221,9 @@ def test_gc_keeps_a_file_the_current_generation_shares_with_an_old_one(tmp_path)
     store.commit(g2)
     _age(tmp_path, g.generation_dir(g1.id), 7200, now)
     _age(tmp_path, g.generation_dir(g2_id), 3600, now)
+    _age(tmp_path, g.POINTER_NAME, 3600, now)
     plan = store.plan_gc(grace_s=60, now=now)
-    assert plan.delete == [g.generation_document_path(g1.id)]
+    assert plan.delete == [g.commit_mark_path(g1.id), g.generation_document_path(g1.id)]
     store.gc(plan)
     assert (tmp_path / kept[0].file.path).read_bytes() == b"shared"
 

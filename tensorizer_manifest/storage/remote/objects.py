@@ -149,6 +149,19 @@ class RemoteFile:
                 return int(length)
         raise RemoteStorageError(f"{self.uri}: the server does not say how large the object is")
 
+    def last_modified(self) -> float | None:
+        """When the object was last written, as seconds since the epoch by the server's clock (a HEAD; S3 only);
+        None when there is none."""
+        if self.scheme != "s3":
+            raise ConfigurationError(f"{self.uri}: only an s3:// object says when it was written")
+        bucket, key = self._bucket_key()
+        client = self._retrying("reading its time", lambda: s3_client(resolve(self.options)))
+        try:
+            head = self._retrying("reading its time", lambda: client.head_object(Bucket=bucket, Key=key))
+        except RemoteNotFoundError:
+            return None
+        return head["LastModified"].timestamp()
+
     def exists(self) -> bool:
         try:
             self.size()
