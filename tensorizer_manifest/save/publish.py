@@ -32,6 +32,7 @@ from ..format.generation import (
 )
 from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
 from ..storage.checkpoint import checkpoint_stem
+from ..storage.files import make_folder
 from ..storage.generations import LocalCheckpoint, refresh_top_level
 from ..storage.remote import is_model_file
 
@@ -61,7 +62,7 @@ def begin(root: Path, generation_id: str, parent: str | None = None, read_parent
     if read_parent:
         parent = LocalCheckpoint(root).current_generation_id()
     publication = Publication(root=root, generation_id=generation_id, parent=parent)
-    publication.folder.mkdir(parents=True, exist_ok=True)
+    make_folder(publication.folder)
     return publication
 
 

@@ -51,7 +51,7 @@ from ..format.schema import (
 from ..model.layers import TensorSlot
 from ..model.tensors import make_record
 from ..progress import ProgressCallback, ProgressCounter
-from ..storage.files import exclusive_lock, fsync_file, replace_atomically, temporary_name, this_host
+from ..storage.files import exclusive_lock, fsync_file, remove_dead_temporaries, replace_atomically, temporary_name
 from ..storage.remote import is_model_file
 from ..storage.tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
 from .capture import Capture
@@ -410,18 +410,8 @@ def _nbytes(slot: TensorSlot) -> int:
 
 
 def _remove_orphaned_temporaries(out_dir: Path, stem: str) -> None:
-    """Hidden temporaries of this host's saves that were killed (their process is gone). Another host's are
-    never touched: a process id means nothing here (a shared file system)."""
-    for tmp in out_dir.glob(f".{stem}.*.tmp"):
-        _, host, pid, _ = tmp.name.rsplit(".", 3)
-        if host != this_host() or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except PermissionError:  # alive, another user's
-            pass
+    """Hidden temporaries of this host's saves of ``stem`` that were killed (``files.remove_dead_temporaries``)."""
+    remove_dead_temporaries(out_dir, f".{stem}.*.tmp")
 
 
 def copy_model_files(src_dir: Path, out_dir: Path) -> list[str]:

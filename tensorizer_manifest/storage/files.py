@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,8 +64,39 @@ def this_host() -> str:
 
 
 def temporary_name(name: str) -> str:
-    """``.<name>.<host>.<pid>.tmp``: whose it is, so that cleaning up never touches another host's file."""
-    return f".{name}.{this_host()}.{os.getpid()}.tmp"
+    """``.<name>.<host>.<pid>-<thread>.tmp``: whose it is, so that cleaning up never touches another host's file,
+    and two threads of one process writing one name never share a temporary."""
+    return f".{name}.{this_host()}.{os.getpid()}-{threading.get_ident()}.tmp"
+
+
+def remove_dead_temporaries(directory: Path, pattern: str = ".*.tmp") -> None:
+    """Hidden temporaries (``temporary_name``) in ``directory`` of this host's writers that were killed (their
+    process is gone). Another host's are never touched: a process id means nothing here (a shared file system)."""
+    for tmp in directory.glob(pattern):
+        parts = tmp.name.rsplit(".", 3)
+        if len(parts) != 4:
+            continue
+        host, pid = parts[1], parts[2].split("-")[0]
+        if host != this_host() or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def make_folder(path: Path) -> None:
+    """``path`` and its missing parents, each new entry made durable (``fsync`` of the directory holding it): a
+    folder a commit names survives a crash as its files do."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        fsync_dir(folder.parent)
 
 
 def fsync_file(path: Path) -> None:

@@ -30,11 +30,13 @@ def test_replace_atomically_swaps_the_whole_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
 
 
-def test_temporaries_name_their_host_and_process():
+def test_temporaries_name_their_host_process_and_thread():
+    import threading
+
     name = files.temporary_name("model.manifest.json")
-    _, host, pid, suffix = name.rsplit(".", 3)
+    _, host, owner, suffix = name.rsplit(".", 3)
     assert name.startswith(".model.manifest.json.") and suffix == "tmp"
-    assert host == files.this_host() and int(pid) == os.getpid()
+    assert host == files.this_host() and owner == f"{os.getpid()}-{threading.get_ident()}"
 
 
 def test_a_file_system_that_cannot_lock_is_refused_by_name(tmp_path, monkeypatch):
