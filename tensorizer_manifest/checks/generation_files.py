@@ -13,6 +13,7 @@ from ..errors import CheckpointNotFoundError, ConfigurationError, IntegrityError
 from ..format.generation import Generation
 from ..format.schema import EncryptionKey, Manifest, SigningKey, blake3_hex
 from ..storage.compile_archive import check_archive, read_archive
+from ..storage.generations import stale_model_files
 from .seal import check_generation_seal
 
 #: A model file read whole by ``validate`` is refused above this (config and tokenizer files are small).
@@ -36,6 +37,14 @@ def check_generation(
     directory = Path(model_dir)
     if not directory.is_dir():
         return
+    stale = stale_model_files((p.name for p in directory.iterdir() if p.is_file()), generation)
+    if stale:
+        raise IntegrityError(
+            f"{directory / stale[0]}: the checkpoint's generation {generation.id} has no {stale[0]} (another save's, "
+            "left behind, or added): vLLM reads it by that name, and the weights would run with it. Remove it, start "
+            "vLLM with the checkpoint itself as its model, or copy the checkpoint's model files again "
+            "(`tensorizer-manifest fetch`)"
+        )
     for model_file in generation.model_files:
         path = directory / model_file.name
         if path.is_file() and blake3_hex(path.read_bytes()) != model_file.file.hash:

@@ -37,6 +37,7 @@ from ..format.generation import (
     decode_base,
     decode_generation,
     decode_pointer,
+    generation_dir,
     generation_named,
     is_generation_id,
 )
@@ -390,10 +391,31 @@ def load_generation(root: Path | RemoteDir, pointer: Pointer | None = None) -> t
     return generation, pointer
 
 
+def current_generation_folder(model: str | os.PathLike) -> tuple[Path, Generation] | None:
+    """The current generation's own folder of the local checkpoint ``model`` (format version 3: its pointer read,
+    the document checked against it), and that generation: what to give vLLM as its ``model`` so that every file
+    vLLM reads itself (config, tokenizer, generation config, at whatever moment) is that generation's, immutable.
+    None where ``model`` is no such checkpoint, or its generation keeps a model file outside its own folder."""
+    root = Path(model)
+    if not (root / POINTER_NAME).is_file():
+        return None
+    found = load_generation(root.resolve())
+    if found is None:
+        return None
+    generation = found[0]
+    own = generation_dir(generation.id)
+    if not generation.model_files or any(m.file.path != f"{own}/{m.name}" for m in generation.model_files):
+        return None
+    return root.resolve() / own, generation
+
+
 def pinned_generation(location: Path | RemoteDir) -> tuple[Path | RemoteDir, Generation] | None:
     """A generation's own folder given as the checkpoint (``CKPT/generations/<id>``: vLLM's ``model`` can be it, so
     that everything vLLM reads is that generation's, immutable): the checkpoint and that generation, its document
-    read from the folder (its seal is checked at load); None for any other location."""
+    read from the folder (its seal is checked at load); None for any other location. A relative local path is
+    taken from the working directory."""
+    if isinstance(location, Path):
+        location = location.resolve()
     *head, generations, folder = str(location).rstrip("/").split("/")
     if generations != GENERATIONS_DIR or not is_generation_id(folder) or not head:
         return None

@@ -12,7 +12,7 @@ generation (``refresh_top_level``, ``refresh_remote_top_level``). No torch, no v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,8 +43,16 @@ from ..format.generation import (
     pointer_to,
 )
 from ..format.schema import blake3_hex
-from .files import create_only, exclusive_lock, replace_atomically, temporary_name
-from .remote import RemoteDir, list_objects, probe_conditional_writes
+from .files import create_only, exclusive_lock, make_folder, remove_dead_temporaries, replace_atomically, temporary_name
+from .remote import (
+    PROBE_SCRATCH_PREFIX,
+    RemoteDir,
+    abort_upload,
+    list_objects,
+    probe_conditional_writes,
+    unfinished_uploads,
+)
+from .remote.uris import HTTP_MODEL_FILES
 
 #: ``gc``'s defaults: a generation stays this long after a newer one is committed (readers that read the older
 #: pointer finish), and an uncommitted folder (a writer killed, or one still writing) this long after its newest
@@ -402,7 +410,7 @@ class LocalCheckpoint(_Store):
 
     def _create(self, relative: str, data: bytes) -> bool:
         target = self.root / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(target.parent)
         return create_only(target, data)
 
     def _files(self) -> list[tuple[str, float]]:
@@ -460,6 +468,10 @@ class LocalCheckpoint(_Store):
             replace_atomically(self.pointer_path, data)  # the commit point
 
 
+_CLOCK_SCRATCH = "tensorizer-manifest-clock"
+_SCRATCH_PREFIXES = (PROBE_SCRATCH_PREFIX, f".{_CLOCK_SCRATCH}.")
+
+
 class S3Checkpoint(_Store):
     """A version-3 checkpoint under an ``s3://`` prefix: new keys created with ``If-None-Match: *``, the pointer
     replaced with ``If-Match`` on the ETag of the version read (``If-None-Match: *`` for the first), on a server
@@ -506,7 +518,7 @@ class S3Checkpoint(_Store):
         return (self.root / relative).last_modified()
 
     def clock(self) -> float:
-        scratch = self.root / temporary_name("tensorizer-manifest-clock")
+        scratch = self.root / temporary_name(_CLOCK_SCRATCH)
         scratch.put_bytes(b"")
         try:
             stamp = scratch.last_modified()
@@ -515,6 +527,22 @@ class S3Checkpoint(_Store):
         if stamp is None:
             raise RemoteStorageError(f"{scratch}: written, then not found; the server's clock cannot be read")
         return stamp
+
+    def gc(self, plan: GcPlan) -> list[str]:
+        """``_Store.gc``, then what a killed S3 writer leaves besides files, once older than the orphan grace by the
+        server's clock: multipart uploads never completed (S3 keeps and bills their parts) and the scratch keys of
+        the conditional-write probe and of ``clock``."""
+        removed = super().gc(plan)
+        cutoff = self.clock() - plan.settings.orphan_grace_s
+        for name, upload_id, written in unfinished_uploads(self.root):
+            if name.startswith(GENERATIONS_DIR + "/") and written <= cutoff:
+                abort_upload(self.root, name, upload_id)
+                removed.append(f"{name} (an unfinished upload, aborted)")
+        for name, written in list_objects(self.root):
+            if "/" not in name and name.startswith(_SCRATCH_PREFIXES) and written <= cutoff:
+                (self.root / name).delete()
+                removed.append(name)
+        return removed
 
     def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
         parent = generation.parent
@@ -537,15 +565,27 @@ class S3Checkpoint(_Store):
 # --- the top level: what vLLM's ``model`` path and readers of versions 1 and 2 find ---------------------------
 
 
+def stale_model_files(names: Iterable[str], generation: Generation) -> list[str]:
+    """Those of ``names`` (a model directory's files) that vLLM reads by name (a tokenizer, a chat template, a
+    generation config) and ``generation`` has not: another save's, left behind."""
+    own = {m.name for m in generation.model_files}
+    return sorted(name for name in names if name in HTTP_MODEL_FILES and name not in own)
+
+
 def refresh_top_level(root: Path, rounds: int = 8) -> None:
-    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's, and leave a stub at
-    each rank's old manifest name; again while another writer moves the pointer meanwhile (the last writer leaves
-    them matching). Loads check these copies against the generation, so a stale one is refused, never used."""
+    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's (and remove those an
+    older generation had and this one has not), and leave a stub at each rank's old manifest name; again while
+    another writer moves the pointer meanwhile (the last writer leaves them matching). This host's temporaries of
+    writers that were killed go too. Loads give vLLM the generation's own folder, or check these copies against the
+    generation, so a stale one is refused, never used."""
     store = LocalCheckpoint(root)
+    remove_dead_temporaries(root)
     for _ in range(rounds):
         generation = store.current()
         if generation is None:
             return
+        for name in stale_model_files((p.name for p in root.iterdir() if p.is_file()), generation):
+            (root / name).unlink(missing_ok=True)
         for model_file in generation.model_files:
             data = (root / model_file.file.path).read_bytes()
             target = root / model_file.name
@@ -566,6 +606,8 @@ def refresh_remote_top_level(store: S3Checkpoint, rounds: int = 8) -> None:
         generation = store.current()
         if generation is None:
             return
+        for name in stale_model_files(store.root.list_names(), generation):
+            (store.root / name).delete()
         wanted = {m.name: store.root / m.file.path for m in generation.model_files}
         wanted.update({f"{rank.stem}.manifest.json": None for fs in generation.form_sets for rank in fs.ranks})
         for name, source in wanted.items():

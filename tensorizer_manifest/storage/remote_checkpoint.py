@@ -34,7 +34,7 @@ from ..format.generation import (
 )
 from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, EncryptionKey, SigningKey, blake3_hex, seal_mode
 from .checkpoint import encryption_key_from, signing_key_from
-from .generations import LocalCheckpoint, S3Checkpoint, refresh_remote_top_level
+from .generations import LocalCheckpoint, S3Checkpoint, refresh_remote_top_level, stale_model_files
 from .remote import HTTP_MODEL_FILES, RemoteDir, RemoteOptions, is_model_file, probe_conditional_writes
 
 #: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
@@ -222,4 +222,6 @@ def _fetch_generation_model_files(location: RemoteDir, cache: Path) -> bool:
         tmp = cache / f".{model_file.name}.{os.getpid()}.tmp"
         tmp.write_bytes(data)
         os.replace(tmp, cache / model_file.name)
+    for name in stale_model_files((p.name for p in cache.iterdir() if p.is_file()), generation):
+        (cache / name).unlink(missing_ok=True)  # an earlier fetch's, of a generation that had it
     return True

@@ -470,3 +470,22 @@ def test_kill_9_during_gc_leaves_a_checkpoint_that_loads(tmp_path, source, delay
     store = LocalCheckpoint(root)
     store.gc(store.plan_gc(grace_s=0, orphan_grace_s=0))  # and the next gc finishes the work
     assert sorted(p.name for p in (root / "generations").iterdir()) == [current.id]
+
+
+def test_what_the_probe_found_is_probed_again_after_its_time_to_live(moto_s3, monkeypatch):
+    """A long-lived writer (a server that saves now and then) sees a server whose configuration changed: the
+    probe's finding is kept an hour per process, then asked again."""
+    from helpers.servers import FaultProxy
+
+    from tensorizer_manifest.errors import UnsafeStorageError
+    from tensorizer_manifest.storage.remote import RemoteDir, RemoteOptions, objects
+
+    with FaultProxy(moto_s3) as proxy:
+        uri, _ = _s3(moto_s3)
+        location = RemoteDir(uri, RemoteOptions(moto_s3.key_id, moto_s3.secret, proxy.url))
+        objects.probe_conditional_writes(location)
+        proxy.ignore_conditions = True  # the server changes under the process
+        objects.probe_conditional_writes(location)  # within the hour: the finding stands
+        monkeypatch.setattr(objects, "PROBE_TTL_S", 0.0)
+        with pytest.raises(UnsafeStorageError, match="ignores conditional writes"):
+            objects.probe_conditional_writes(location)

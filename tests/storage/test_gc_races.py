@@ -227,3 +227,30 @@ def test_an_s3_pointer_put_that_landed_and_whose_answer_was_lost_is_a_commit(mot
     top = RemoteDir(uri, options) / "config.json"
     assert top.read_bytes() == (source / "config.json").read_bytes()  # refreshed after its commit
     assert validate_checkpoint(uri, remote=options).ok
+
+
+def test_gc_on_s3_aborts_a_killed_writer_s_upload_and_removes_its_scratch_keys_past_the_orphan_grace(
+    moto_s3, tmp_path, source
+):
+    from tensorizer_manifest.storage.remote import RemoteDir, unfinished_uploads
+    from tensorizer_manifest.storage.remote.objects import PROBE_SCRATCH_PREFIX
+    from tensorizer_manifest.storage.remote_checkpoint import publish_to_s3
+
+    uri, options = _s3(moto_s3)
+    publish_to_s3(_staged(tmp_path, source, 0), uri, options)
+    client, prefix = moto_s3.client(), uri.split("/", 3)[3]
+    key = f"{prefix}/{g.generation_dir(g.new_generation_id())}/model.0123456789abcdef.tensors"
+    upload = client.create_multipart_upload(Bucket=uri.split("/")[2], Key=key)["UploadId"]
+    client.upload_part(Bucket=uri.split("/")[2], Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+    scratch = f"{PROBE_SCRATCH_PREFIX}0123456789abcdef"
+    (RemoteDir(uri, options) / scratch).put_bytes(b"probe")  # a probe killed before it removed its key
+    kept = _gc(uri, "--json", *_s3_args(options))  # the default orphan grace: a writer may be at it
+    assert kept.returncode == 0, kept.stderr
+    assert len(unfinished_uploads(RemoteDir(uri, options))) == 1
+    assert scratch in RemoteDir(uri, options).list_names()
+    collected = _gc(uri, "--orphan-grace", "0", "--json", *_s3_args(options))
+    assert collected.returncode == 0, collected.stderr
+    assert unfinished_uploads(RemoteDir(uri, options)) == []
+    assert scratch not in RemoteDir(uri, options).list_names()
+    assert not [n for n in RemoteDir(uri, options).list_names() if n.startswith(".tensorizer-manifest-clock")]
+    assert validate_checkpoint(uri, remote=options).ok

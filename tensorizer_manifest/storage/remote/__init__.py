@@ -24,19 +24,32 @@ from __future__ import annotations
 
 from .credentials import CREDENTIAL_OPTIONS, RemoteOptions
 from .failures import transfer_error
-from .objects import RemoteDir, RemoteFile, as_remote, is_remote, list_objects, probe_conditional_writes
+from .objects import (
+    PROBE_SCRATCH_PREFIX,
+    RemoteDir,
+    RemoteFile,
+    abort_upload,
+    as_remote,
+    is_remote,
+    list_objects,
+    probe_conditional_writes,
+    unfinished_uploads,
+)
 from .uris import HTTP_MODEL_FILES, is_model_file
 
 __all__ = [
     "CREDENTIAL_OPTIONS",
+    "PROBE_SCRATCH_PREFIX",
     "HTTP_MODEL_FILES",
     "RemoteDir",
     "RemoteFile",
     "RemoteOptions",
+    "abort_upload",
     "as_remote",
     "is_model_file",
     "is_remote",
     "list_objects",
     "probe_conditional_writes",
     "transfer_error",
+    "unfinished_uploads",
 ]

@@ -15,6 +15,7 @@ mixing two versions' bytes; within one response the content hashes catch anythin
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -390,8 +391,47 @@ def list_objects(location: RemoteDir) -> list[tuple[str, float]]:
     return sorted(here._retrying("listing it", listing))
 
 
-#: Endpoints and buckets whose conditional writes were probed in this process, and what the probe found.
-_PROBED: dict[tuple[str | None, str], bool] = {}
+def unfinished_uploads(location: RemoteDir) -> list[tuple[str, str, float]]:
+    """The multipart uploads begun under the prefix and never completed nor aborted (a writer killed while it
+    uploaded a large file): each one's name below the prefix, its upload id, and when it was last written to (its
+    newest part, else its start) by the server's clock (S3 only). S3 keeps their parts, and bills them, until they
+    are aborted."""
+    _, bucket, path = check_uri(location.uri)
+    prefix = path.strip("/") + "/" if path.strip("/") else ""
+    here = RemoteFile(location.uri, location.options)
+
+    def listing() -> list[tuple[str, str, float]]:
+        client = s3_client(resolve(location.options))
+        found: list[tuple[str, str, float]] = []
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+            for item in page.get("Uploads", ()):
+                written = item["Initiated"].timestamp()
+                parts = client.get_paginator("list_parts")
+                for part_page in parts.paginate(Bucket=bucket, Key=item["Key"], UploadId=item["UploadId"]):
+                    written = max([written, *(part["LastModified"].timestamp() for part in part_page.get("Parts", ()))])
+                found.append((item["Key"][len(prefix) :], item["UploadId"], written))
+        return found
+
+    return sorted(here._retrying("listing its unfinished uploads", listing))
+
+
+def abort_upload(location: RemoteDir, name: str, upload_id: str) -> None:
+    """Abort one unfinished multipart upload (``unfinished_uploads``): its parts are removed."""
+    target = location / name
+    bucket, key = target._bucket_key()
+    client = target._retrying("aborting its upload", lambda: s3_client(resolve(location.options, write=True)))
+    target._retrying(
+        "aborting its upload", lambda: client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+    )
+
+
+#: Endpoints and buckets whose conditional writes were probed in this process: what the probe found, and when
+#: (by this host's monotonic clock). A finding older than ``PROBE_TTL_S`` is probed again: a server's
+#: configuration can change under a long-lived process.
+_PROBED: dict[tuple[str | None, str], tuple[bool, float]] = {}
+PROBE_TTL_S = 3600.0
+#: The scratch keys a probe writes at the prefix's top (a killed process leaves one; ``gc`` removes it later).
+PROBE_SCRATCH_PREFIX = ".tensorizer-manifest-probe-"
 
 
 def probe_conditional_writes(location: RemoteDir, allow_unconditional: bool = False) -> None:
@@ -400,8 +440,9 @@ def probe_conditional_writes(location: RemoteDir, allow_unconditional: bool = Fa
     ``If-Match`` PUT with a wrong ETag, must both be refused. Once per endpoint and bucket in a process."""
     _, bucket, _ = check_uri(location.uri)
     endpoint = resolve(location.options, write=True).endpoint
-    if (endpoint, bucket) not in _PROBED:
-        scratch = location / f".tensorizer-manifest-probe-{os.urandom(8).hex()}"
+    probed = _PROBED.get((endpoint, bucket))
+    if probed is None or time.monotonic() - probed[1] > PROBE_TTL_S:
+        scratch = location / f"{PROBE_SCRATCH_PREFIX}{os.urandom(8).hex()}"
         scratch.put_if(b"probe", None)
         honoured = True
         try:
@@ -413,8 +454,8 @@ def probe_conditional_writes(location: RemoteDir, allow_unconditional: bool = Fa
                     pass
         finally:
             scratch.delete()
-        _PROBED[(endpoint, bucket)] = honoured
-    if not _PROBED[(endpoint, bucket)] and not allow_unconditional:
+        _PROBED[(endpoint, bucket)] = (honoured, time.monotonic())
+    if not _PROBED[(endpoint, bucket)][0] and not allow_unconditional:
         raise UnsafeStorageError(
             f"{location.uri}: this S3 server ({endpoint or 'the default endpoint'}) ignores conditional writes "
             "(If-Match, If-None-Match), so two writers of one checkpoint could silently undo each other; nothing was "
