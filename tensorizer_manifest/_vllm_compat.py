@@ -50,6 +50,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.model_loader.reload.utils", "get_tensor_load_numel", ()),
     ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs", ()),
     ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", ()),
+    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ("self", "usage_context", "headless")),
 )  # fmt: skip
 _MISSING = object()
 
@@ -282,6 +283,26 @@ def before_every_post_load_step(hook: Callable[[Any], None]) -> None:
     base_loader.process_weights_after_loading = hooked
 
 
+def before_engine_config(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(engine_args)`` in this process at the start of every ``EngineArgs.create_engine_config``:
+    after vLLM parsed its arguments and before it reads a file of its ``model`` (config, tokenizer, generation
+    config). Once installed, for good; installing again is a no-op. A plugin loaded by ``EngineArgs`` itself (in
+    ``__post_init__``) is installed before that engine's config is made."""
+    engine_args = private("vllm.engine.arg_utils", "EngineArgs.create_engine_config")
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(engine_args, "_tensorizer_manifest_hook", None) is not None:
+        return
+
+    def create_engine_config(self, usage_context=None, headless=False):
+        hook(self)
+        return engine_args(self, usage_context, headless)
+
+    create_engine_config._tensorizer_manifest_hook = hook  # type: ignore[attr-defined]
+    create_engine_config.__doc__ = engine_args.__doc__
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+
+
 # --- CPU kernels ---------------------------------------------------------------------------------
 
 
@@ -496,33 +517,53 @@ def other_ranks_experts(vllm_config: Any) -> Callable[[str], bool] | None:
     return lambda name: bool(skip(name, local))
 
 
-def _model_parallel_groups() -> list[Any]:
-    """This rank's pipeline-parallel group, then its tensor-parallel group, those with more than one rank: the
-    grid of one model's ranks (never the data-parallel replicas, which save nothing of their own)."""
+def _model_parallel_groups(replicas: bool = False) -> list[Any]:
+    """This rank's pipeline-parallel group, then its tensor-parallel group, then (``replicas``) its data-parallel
+    group, those with more than one rank: the grid of one model's ranks, and the replicas of that grid (which save
+    nothing of their own, and load the one generation the first replica's first rank read)."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return []
-    groups = (parallel_state.get_pp_group(), parallel_state.get_tp_group())
-    return [group for group in groups if group.world_size > 1]
+    groups = [parallel_state.get_pp_group(), parallel_state.get_tp_group()]
+    if replicas:
+        groups.append(_data_parallel_group())
+    return [group for group in groups if group is not None and group.world_size > 1]
 
 
-def first_rank_bytes(data: bytes, size: int) -> bytes:
+def _data_parallel_group() -> Any:
+    """vLLM's data-parallel group of this rank, or None where it has none (no replicas, or not set up yet)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_dp_group()
+    except AssertionError:  # "data parallel group is not initialized"
+        return None
+
+
+def first_rank_bytes(data: bytes, size: int, replicas: bool = False) -> bytes:
     """The first rank's ``data`` (at most ``size`` bytes; padded with zeros to it) on every rank of this engine's
-    model: broadcast along the pipeline, then across each stage's tensor-parallel group (gloo, on the CPU; bytes in a
-    uint8 tensor, never a pickle). One rank: ``data`` itself. Every rank must call it with the same ``size``."""
+    model: broadcast along the pipeline, then across each stage's tensor-parallel group, then (``replicas``) across
+    the data-parallel replicas (gloo, on the CPU; bytes in a uint8 tensor, never a pickle). One rank: ``data``
+    itself. Every rank must call it with the same ``size`` and ``replicas``."""
     import torch
     import torch.distributed as dist
 
     if len(data) > size:
         raise ValueError(f"{len(data)} bytes do not fit the {size} broadcast")
-    groups = _model_parallel_groups()
+    groups = _model_parallel_groups(replicas)
     if not groups:
         return data.ljust(size, b"\0")
     token = torch.frombuffer(bytearray(data.ljust(size, b"\0")), dtype=torch.uint8).clone()
     for group in groups:
         dist.broadcast(token, src=group.ranks[0], group=group.cpu_group)
     return bytes(token.tolist())
+
+
+def data_parallel_rank() -> int:
+    """This process's data-parallel replica (0 without data parallelism, or before vLLM sets it up)."""
+    group = _data_parallel_group()
+    return 0 if group is None else int(group.rank_in_group)
 
 
 def shared_save_id() -> str | None:
@@ -546,15 +587,16 @@ def shared_generation_id() -> str:
     return first_rank_bytes(new_generation_id().encode(), 64).rstrip(b"\0").decode()
 
 
-def every_rank_succeeded(succeeded: bool) -> bool:
-    """Whether every rank of this engine's model says ``succeeded``: the failures are summed along the pipeline,
-    then across each stage's tensor-parallel group, so every rank learns the total. Every rank must call it,
-    a failed one too (it votes False)."""
+def every_rank_succeeded(succeeded: bool, replicas: bool = False) -> bool:
+    """Whether every rank of this engine's model (and, with ``replicas``, of every data-parallel replica) says
+    ``succeeded``: the failures are summed along the pipeline, then across each stage's tensor-parallel group (then
+    across the replicas), so every rank learns the total. Every rank must call it, a failed one too (it votes
+    False)."""
     import torch
     import torch.distributed as dist
 
     failures = torch.tensor([0 if succeeded else 1], dtype=torch.int64)
-    for group in _model_parallel_groups():
+    for group in _model_parallel_groups(replicas):
         dist.all_reduce(failures, group=group.cpu_group)
     return int(failures.item()) == 0
 

@@ -1,9 +1,11 @@
 """The plugin: ``register`` (the ``vllm.general_plugins`` entry point, run in every vLLM process) registers both
-load formats, and ``apply_cpu_gemm_from_env`` applies ``TENSORIZER_MANIFEST_CPU_GEMM``.
+load formats and pins a format-3 checkpoint given as vLLM's ``model`` to its current generation before vLLM reads
+it (``pin_current_generation``), and ``apply_cpu_gemm_from_env`` applies ``TENSORIZER_MANIFEST_CPU_GEMM``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .. import _vllm_compat
@@ -11,11 +13,45 @@ from .._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from ..storage.remote import CREDENTIAL_OPTIONS
 from .loaders import CaptureModelLoader, ManifestModelLoader
 
+logger = logging.getLogger("vllm.tensorizer_manifest")  # vLLM's handler and level apply
+
 
 def apply_cpu_gemm_from_env() -> None:
     """``TENSORIZER_MANIFEST_CPU_GEMM=fallback``: vLLM's torch CPU GEMM in this process (workers too)."""
     if os.environ.get(CPU_GEMM_ENV, "").lower() == "fallback":
         _vllm_compat.disable_onednn()
+
+
+def pin_current_generation(engine_args) -> None:
+    """Where vLLM's ``model`` is a local checkpoint of format version 3 loaded with this load format, make it the
+    current generation's own folder (``CKPT/generations/<id>``), once, in the process that parses the engine's
+    arguments: everything vLLM reads itself (``config.json`` as it makes its config, the tokenizer in the frontend,
+    ``generation_config.json`` after the load) and every rank and replica of this engine is then that generation's,
+    whatever is committed meanwhile. The served model name stays the path given; the tokenizer follows the model
+    where it was the model's. A checkpoint named apart from ``model`` (``checkpoint_dir``, ``tensorizer_uri``) is
+    left as it is (its model files are checked against the generation at load)."""
+    import json
+
+    from ..storage.checkpoint import current_generation_folder
+
+    if engine_args.load_format != LOAD_FORMAT or not isinstance(engine_args.model, str):
+        return
+    extra = engine_args.model_loader_extra_config or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    if any(extra.get(name) for name in ("checkpoint_dir", "tensorizer_dir", "tensorizer_uri")):
+        return
+    found = current_generation_folder(engine_args.model)
+    if found is None:
+        return
+    folder, generation = found
+    given = engine_args.model
+    if engine_args.tokenizer in (None, given):
+        engine_args.tokenizer = str(folder)
+    if engine_args.served_model_name is None:
+        engine_args.served_model_name = given
+    engine_args.model = str(folder)
+    logger.info("%s: serving its current generation %s from %s", given, generation.id, folder)
 
 
 def register() -> None:
@@ -34,3 +70,4 @@ def register() -> None:
     from ..save.rebuild import remember_pre_step_attributes
 
     _vllm_compat.before_every_post_load_step(remember_pre_step_attributes)  # so any engine can save itself
+    _vllm_compat.before_engine_config(pin_current_generation)

@@ -33,7 +33,19 @@ def test_a_generation_s_own_folder_as_vllm_s_model_loads_that_generation(result)
     assert one["pinned_generation"] == one["saved_generation"]
 
 
+def test_vllm_reads_the_generation_s_own_files_whatever_lies_at_the_top(result):
+    """The plugin gives vLLM the current generation's folder as its ``model``: a tokenizer file edited at the top
+    (another save's) is never what the engine runs with; the served name stays the path the user gave."""
+    one = result["one_rank"]
+    at_top = one["other_tokenizer_at_top"]
+    assert at_top["tokens"] == one["reference"]
+    assert at_top["model_max_length"] != 7, "vLLM read the edited top-level tokenizer_config.json"
+    assert at_top["model"].endswith(f"/generations/{one['current']}")
+    assert at_top["served_model_name"] == one["checkpoint"]
+
+
 def test_another_save_s_tokenizer_beside_the_weights_is_refused_by_name(result):
+    """Where vLLM's model is a directory apart from the checkpoint (``checkpoint_dir``), its files are checked."""
     assert result["one_rank"]["other_tokenizer"] is not None, "an engine started with another save's tokenizer"
     refusals = [line for line in result["_output"].splitlines() if "IntegrityError" in line]
     assert any("tokenizer_config.json: not the tokenizer_config.json of the checkpoint's generation" in line
@@ -52,6 +64,10 @@ def test_a_tp2_load_reads_one_generation_while_two_re_saves_commit_and_a_gc_runs
     assert raced is not None, race.get("raced_output")
     assert raced["generations"] == [race["generation_a"], race["generation_a"]]
     assert raced["tokens"] == race["tokens_a"]
+    # and what vLLM reads itself is A's too, the generation config read after the load included (B's differ)
+    assert raced["read"]["model"].endswith(f"/generations/{race['generation_a']}"), raced["read"]
+    assert (raced["read"]["temperature"], raced["read"]["top_k"]) != (0.25, 7), raced["read"]
+    assert raced["read"]["model_max_length"] != 77, raced["read"]
     assert race["gc"].get("current") == race["generation_c"], race["gc"]
     assert {race["generation_a"], race["generation_b"]} <= set(race["gc"]["kept_generations"])
     assert not [path for path in race["gc"]["removed"] if race["generation_a"] in path]

@@ -48,3 +48,27 @@ def write_stock_tensor_file(path):
     serializer.write_state_dict({"model.embed_tokens.weight": torch.ones(4, 4)})
     serializer.close()
     return path
+
+
+def commit_again(out: str | Path) -> str:
+    """A second re-save's commit without an engine: the current generation's manifests written anew into a new
+    generation over it (their tensor files and its base kept where they are), committed as every writer commits.
+    The same weights under a new generation id."""
+    from tensorizer_manifest.format.generation import new_generation_id
+    from tensorizer_manifest.save import publish
+    from tensorizer_manifest.storage.generations import LocalCheckpoint
+
+    root = Path(out)
+    current = LocalCheckpoint(root).current()
+    publication = publish.begin(root, new_generation_id(), parent=current.id, read_parent=False)
+    for form_set in current.form_sets:
+        for rank in form_set.ranks:
+            (publication.folder / f"{rank.stem}.manifest.json").write_bytes((root / rank.manifest.path).read_bytes())
+    generation = publish.commit(
+        publication,
+        made_by="save",
+        form_sets=publish.with_new_manifests(publication, current),
+        model_files=publish.carry_model_files(publication, current),
+        base=current.base,
+    )
+    return generation.id

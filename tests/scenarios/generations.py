@@ -30,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for helpers
 
 TP2 = {"distributed_executor_backend": "mp", "tensor_parallel_size": 2}
+B_GENERATION_CONFIG = {"temperature": 0.25, "top_k": 7}
+B_MODEL_MAX_LENGTH = 77
 
 #: The raced loader, a process of its own: its engine's workers inherit the pause from its environment.
 _RACED_LOADER = """
@@ -43,9 +45,13 @@ llm = LLM(model=sys.argv[1], load_format="tensorizer_manifest", **engine_options
 try:
     reports = llm.collective_rpc("tensorizer_manifest_report")
     tokens, _ = greedy_tokens(llm)
+    defaults = llm.get_default_sampling_params()  # vLLM reads generation_config.json now, after the load
+    read = {"temperature": defaults.temperature, "top_k": defaults.top_k,
+            "model_max_length": llm.get_tokenizer().model_max_length, "model": llm.llm_engine.model_config.model}
 finally:
     shutdown(llm)
-print("RACED " + json.dumps({"tokens": tokens, "generations": [r["generation"] for r in reports]}), flush=True)
+print("RACED " + json.dumps({"tokens": tokens, "generations": [r["generation"] for r in reports], "read": read}),
+      flush=True)
 """
 
 
@@ -105,6 +111,7 @@ def one_rank(workdir: str) -> dict:
         "saved_generation": saved["generation"],
         "loaded_generation": report.get("generation"),
         "current": generation.id,
+        "checkpoint": out,
         "model_files": [m.name for m in generation.model_files],
         "top_level": sorted(os.listdir(out)),
     }
@@ -113,12 +120,36 @@ def one_rank(workdir: str) -> dict:
     result["pinned_generation"] = pinned.get("generation")
     tokenizer = Path(out, "tokenizer_config.json")
     tokenizer.write_text(tokenizer.read_text().replace("}", ', "model_max_length": 7}', 1))  # another save's
+    result["other_tokenizer_at_top"] = _tokens_and_what_vllm_read(out)  # vLLM reads the generation's own
+    elsewhere = Path(workdir, "model-files-of-another-save")  # vLLM's model named apart from the checkpoint
+    elsewhere.mkdir(exist_ok=True)
+    for model_file in generation.model_files:
+        (elsewhere / model_file.name).write_bytes(Path(out, model_file.name).read_bytes())
     try:
-        generate_tokens(out, "tensorizer_manifest")
+        generate_tokens(elsewhere, "tensorizer_manifest", loader_config={"checkpoint_dir": out})
         result["other_tokenizer"] = None
     except Exception as exc:  # noqa: BLE001
         result["other_tokenizer"] = error_chain(exc)
     return result
+
+
+def _tokens_and_what_vllm_read(model: str) -> dict:
+    from vllm import LLM
+
+    from tensorizer_manifest.cli.demo import engine_options, greedy_tokens
+    from tensorizer_manifest.save.from_source import shutdown
+
+    llm = LLM(model=model, load_format="tensorizer_manifest", **engine_options())
+    try:
+        tokens, _ = greedy_tokens(llm)
+        return {
+            "tokens": tokens,
+            "model_max_length": llm.get_tokenizer().model_max_length,
+            "model": llm.llm_engine.model_config.model,
+            "served_model_name": llm.llm_engine.model_config.served_model_name,
+        }
+    finally:
+        shutdown(llm)
 
 
 def _wait_for(paths: list[Path], process: subprocess.Popen, limit_s: float = 600) -> bool:
@@ -130,35 +161,20 @@ def _wait_for(paths: list[Path], process: subprocess.Popen, limit_s: float = 600
     return True
 
 
-def _commit_again(out: str) -> str:
-    """A second re-save's commit without an engine: the current generation's manifests written anew into a new
-    generation over it (their tensor files kept where they are), committed as every writer commits."""
-    from tensorizer_manifest.format.generation import new_generation_id
-    from tensorizer_manifest.save import publish
-    from tensorizer_manifest.storage.generations import LocalCheckpoint
-
-    root = Path(out)
-    current = LocalCheckpoint(root).current()
-    publication = publish.begin(root, new_generation_id(), parent=current.id, read_parent=False)
-    for form_set in current.form_sets:
-        for rank in form_set.ranks:
-            (publication.folder / f"{rank.stem}.manifest.json").write_bytes((root / rank.manifest.path).read_bytes())
-    generation = publish.commit(
-        publication,
-        made_by="save",
-        form_sets=publish.with_new_manifests(publication, current),
-        model_files=publish.carry_model_files(publication, current),
-    )
-    return generation.id
-
-
 def tensor_parallel_race(workdir: str) -> dict:
+    from helpers.checkpoints import commit_again
+
     from tensorizer_manifest.cli.demo import generate_tokens
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     model_a = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied"), "qwen3-tied")
-    model_b = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied-seed1"), "qwen3-tied", seed=1)
+    model_b = build_tiny_model(os.path.join(workdir, "tiny-qwen3-tied-seed1-own-files"), "qwen3-tied", seed=1)
+    # B's files vLLM reads itself differ from A's: its sampling defaults and its tokenizer's length
+    Path(model_b, "generation_config.json").write_text(json.dumps(B_GENERATION_CONFIG))
+    tokenizer_b = Path(model_b, "tokenizer_config.json")
+    config_b = json.loads(tokenizer_b.read_text())
+    tokenizer_b.write_text(json.dumps({**config_b, "model_max_length": B_MODEL_MAX_LENGTH}))
     out = os.path.join(workdir, "ckpt-qwen3-tp2-v3")
     tokens_a, saved_a = _capture_save(model_a, out, **TP2)
 
@@ -175,7 +191,7 @@ def tensor_parallel_race(workdir: str) -> dict:
         if paused:  # both ranks hold generation A; a re-save of another model commits now, to completion
             result["tokens_b"], saved_b = _capture_save(model_b, out, **TP2)
             result["generation_b"] = saved_b["generation"]
-            result["generation_c"] = _commit_again(out)
+            result["generation_c"] = commit_again(out)
             gc = subprocess.run(
                 [sys.executable, "-m", "tensorizer_manifest.cli", "gc", out, "--json"], capture_output=True, text=True
             )
