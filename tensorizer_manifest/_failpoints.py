@@ -2,9 +2,11 @@
 
 ``TENSORIZER_MANIFEST_PAUSE_AT=STEP[,STEP...]:DIRECTORY`` makes ``pause(STEP, who)`` create
 ``DIRECTORY/STEP.<who>.reached`` and wait until ``DIRECTORY/STEP.release`` exists (at most ``PAUSE_LIMIT_S``,
-then it goes on and says so on stderr). Unset, ``pause`` is one dictionary lookup. The steps: ``after-agreement``
-(a loader's rank, once its engine's ranks agreed on a generation, before it reads its manifest) and
-``before-commit`` (a writer, its files written, before it swaps the pointer). Tests only: never set it in
+then it goes on and says so on stderr). Unset, ``pause`` is one dictionary lookup. The steps: ``before-agreement``
+(a loader's first rank, the pointer read, before it broadcasts it to the other ranks and replicas),
+``after-agreement`` (a loader's rank, once its engine's ranks agreed on a generation, before it reads its
+manifest), ``before-commit`` (a writer, its files written, before it swaps the pointer) and ``gc-after-pointer``
+(``gc``, the pointer read, before it lists the files). Tests only: never set it in
 production. Imports nothing of the package.
 """
 

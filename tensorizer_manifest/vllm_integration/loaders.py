@@ -26,6 +26,7 @@ from ..checks.seal import check_generation_seal, unsealed_warning
 from ..checks.validate import open_checked_base, open_checked_forms
 from ..errors import (
     CompatibilityError,
+    ConcurrentWriteError,
     ConfigurationError,
     IntegrityError,
     NoManifestError,
@@ -290,26 +291,45 @@ def overlap_policy(overlap_steps: bool | None, device: torch.device) -> dict[str
 
 #: Room for a pointer's compact encoding in the first rank's broadcast (about 200 bytes).
 _POINTER_BYTES = 1024
-_NO_POINTER, _NO_READ = b"-", b"!"
+_NO_POINTER, _NO_READ, _PINNED = b"-", b"!", b"pinned:"
 
 
 def agreed_generation(checkpoint: str, options: LoadOptions) -> tuple[Path | RemoteDir, Generation] | None:
-    """The checkpoint and the generation every rank of this engine reads: the first rank reads the pointer and
-    broadcasts it (``_vllm_compat.first_rank_bytes``), so a save committed while the ranks start is read by all or
-    by none; a generation's own folder given as the checkpoint is that generation, for every rank alike. None: the
-    checkpoint has no pointer (format version 1 or 2). Every rank must call it."""
+    """The checkpoint and the generation every rank of this engine reads, every data-parallel replica included:
+    the first rank of the first replica reads the pointer and broadcasts it (``_vllm_compat.first_rank_bytes``), so
+    a save committed while the ranks start is read by all or by none. A generation's own folder given as the
+    checkpoint (what the plugin makes of vLLM's ``model``: ``plugin.pin_current_generation``) is that generation,
+    and every rank must have been given the same one (each node of a multi-node engine resolves its own), else
+    every rank raises ``ConcurrentWriteError``. None: the checkpoint has no pointer (format version 1 or 2). Every
+    rank must call it."""
     root = checkpoint_root(checkpoint, options.remote())
     pinned = None if root is None else pinned_generation(root)
-    if pinned is not None:
-        return pinned
     payload, failure = _NO_POINTER, None
-    if first_rank() and root is not None:
+    if first_rank() and _vllm_compat.data_parallel_rank() == 0 and root is not None:
         try:
-            pointer = read_pointer(root)
-            payload = _NO_POINTER if pointer is None else encode_pointer(pointer, compact=True)
+            if pinned is not None:
+                payload = _PINNED + pinned[1].id.encode()
+            else:
+                pointer = read_pointer(root)
+                payload = _NO_POINTER if pointer is None else encode_pointer(pointer, compact=True)
         except TensorizerManifestError as exc:
             payload, failure = _NO_READ, exc
-    agreed = _vllm_compat.first_rank_bytes(payload, _POINTER_BYTES).rstrip(b"\0")
+        _failpoints.pause("before-agreement", "first-rank")
+    agreed = _vllm_compat.first_rank_bytes(payload, _POINTER_BYTES, replicas=True).rstrip(b"\0")
+    mine = _PINNED + pinned[1].id.encode() if pinned is not None else None
+    matches = mine == agreed or (mine is None and not agreed.startswith(_PINNED))
+    if not _vllm_compat.every_rank_succeeded(matches, replicas=True):
+        theirs = agreed.removeprefix(_PINNED).decode() if agreed.startswith(_PINNED) else "its pointer's"
+        given = f"this rank was given {pinned[1].id if pinned else 'its pointer'}" if not matches else (
+            "another rank was given another one"
+        )  # fmt: skip
+        raise ConcurrentWriteError(
+            f"{checkpoint}: the ranks of this engine were given different generations as vLLM's model (the first "
+            f"rank {theirs}; {given}): a save was committed between the starts of its nodes or replicas; nothing was "
+            "loaded. Start them again, or give every node the same CKPT/generations/<id>"
+        )
+    if pinned is not None:
+        return pinned
     if failure is not None:
         raise failure
     if agreed == _NO_READ:
