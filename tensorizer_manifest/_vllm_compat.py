@@ -51,6 +51,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs", ()),
     ("vllm.model_executor.layers.attention.attention", "set_default_quant_scales", ()),
     ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ("self", "usage_context", "headless")),
+    ("vllm.v1.engine.utils", "wait_for_engine_startup", ()),
 )  # fmt: skip
 _MISSING = object()
 
@@ -301,6 +302,32 @@ def before_engine_config(hook: Callable[[Any], None]) -> None:
     create_engine_config._tensorizer_manifest_hook = hook  # type: ignore[attr-defined]
     create_engine_config.__doc__ = engine_args.__doc__
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+
+
+def on_engine_start_failure(translate: Callable[[Exception], Exception | None]) -> bool:
+    """Where this process waits for its engine core processes to start, raise ``translate(error)`` in place of
+    vLLM's error (``Engine core initialization failed. See root cause above``), chained to it, when it gives one.
+    Once installed, for good. False, and nothing installed, where this vLLM waits elsewhere: only the error's type
+    is lost there, its text stays in the engine's log."""
+    wait, gone = _problem("vllm.v1.engine.utils", "wait_for_engine_startup", ())
+    if gone is not None:
+        return False
+    if getattr(wait, "_tensorizer_manifest_translate", None) is not None:
+        return True
+    import vllm.v1.engine.utils as engine_utils
+
+    def wait_for_engine_startup(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return wait(*args, **kwargs)
+        except Exception as exc:
+            translated = translate(exc)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    wait_for_engine_startup.__dict__["_tensorizer_manifest_translate"] = translate
+    engine_utils.wait_for_engine_startup = wait_for_engine_startup
+    return True
 
 
 # --- CPU kernels ---------------------------------------------------------------------------------

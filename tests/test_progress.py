@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import os
-import pty
 import subprocess
 import sys
 
 from helpers.synthetic import write_synthetic_checkpoint
+from helpers.terminal import in_terminal
 
 from tensorizer_manifest import progress
 from tensorizer_manifest.progress import ProgressCounter, ProgressUpdate, terminal_progress
@@ -61,22 +60,9 @@ def test_validate_draws_a_bar_on_a_terminal_and_nothing_when_piped_or_json(tmp_p
     assert "━" not in piped.stdout + piped.stderr
 
     def on_a_terminal(*extra: str) -> str:
-        leader, follower = pty.openpty()
-        env = {**os.environ, "COLUMNS": "200", "TERM": "xterm"}
-        proc = subprocess.Popen(_validate(directory, *extra), stdout=follower, stderr=follower, env=env)
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.close(leader)
-        assert proc.wait(timeout=120) == 0
-        return b"".join(chunks).decode(errors="replace")
+        shown = in_terminal(_validate(directory, *extra), timeout=120)
+        assert shown.returncode == 0, shown.output
+        return shown.output
 
     shown = on_a_terminal()
     assert "hashing" in shown and "5/5 tensors" in shown and "valid" in shown, shown

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
+from .._error_relay import errors_typed
 from .._signatures import takes_keywords_of
 from ..checks.fingerprint import engine_settings as fingerprint_settings
 from ..errors import CheckpointNotFoundError, ConfigurationError
@@ -87,8 +88,10 @@ class AddFormResult:
     checkpoint: Path | str
     """The local directory, or the ``s3://`` URI."""
     ranks: list[dict] = field(default_factory=list)
-    """Per rank: the layers added (``added``), the fallback layers no verified restorer covers here
-    (``not_added``, with why), the new tensor file and its bytes."""
+    """Per rank, what it added: the layers' forms (``added``, the fallback layers no verified restorer covers here
+    in ``not_added`` with why, the new ``tensor_file`` and its ``bytes``); a layout's form set (those and
+    ``layout``); or, with ``compile``, one entry for the compile form (``archive``, ``bytes``, ``files``,
+    ``machine``, ``replaced``) and no ``not_added``."""
 
 
 def engine_settings(manifest_path: Path) -> dict[str, Any]:
@@ -279,7 +282,10 @@ def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None 
 
     llm = LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION, **kwargs)
     try:
-        ranks = llm.collective_rpc("add_tensorizer_manifest_form", args=(str(directory), key_file, encryption_key_file))
+        with errors_typed():
+            ranks = llm.collective_rpc(
+                "add_tensorizer_manifest_form", args=(str(directory), key_file, encryption_key_file)
+            )
     finally:
         shutdown(llm)
     return AddFormResult(checkpoint=directory, ranks=list(ranks))

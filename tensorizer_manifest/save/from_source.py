@@ -28,6 +28,7 @@ from .._constants import (
     SPILL_DIR_ENV,
     WORKER_EXTENSION,
 )
+from .._error_relay import errors_typed
 from .._signatures import takes_keywords_of
 from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from ..storage.checkpoint import encryption_key_from, signing_key_from
@@ -356,11 +357,12 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        ranks = llm.collective_rpc(
-            "save_tensorizer_manifest",
-            args=(str(out_dir), False, key_file, encryption_key_file, opts.progress),
-            kwargs={"format_version": opts.format_version, "base_reference": opts.base == "reference"},
-        )
+        with errors_typed():
+            ranks = llm.collective_rpc(
+                "save_tensorizer_manifest",
+                args=(str(out_dir), False, key_file, encryption_key_file, opts.progress),
+                kwargs={"format_version": opts.format_version, "base_reference": opts.base == "reference"},
+            )
     finally:
         shutdown(llm)
     if opts.format_version == 3:  # the model files are the generation's, copied by its commit

@@ -20,6 +20,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .. import _failpoints, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
+from .._error_relay import relaying
 from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.generation_files import check_generation
 from ..checks.seal import check_generation_seal, unsealed_warning
@@ -352,6 +353,7 @@ class ManifestModelLoader(BaseModelLoader):
     def load_weights(self, model, model_config) -> None:
         raise UnsupportedModelError(f"{LOAD_FORMAT} loads whole models; in-place weight reloading is not supported")
 
+    @relaying
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
@@ -701,6 +703,7 @@ class CaptureModelLoader(DefaultModelLoader):
         with self.observer.watching(model):
             return super().load_weights(model, model_config)
 
+    @relaying
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         fingerprint = engine_fingerprint(vllm_config)
         refuse_unrecorded_settings(vllm_config, None, str(model_config.model))

@@ -1,6 +1,7 @@
 """The plugin: ``register`` (the ``vllm.general_plugins`` entry point, run in every vLLM process) registers both
-load formats and pins a format-3 checkpoint given as vLLM's ``model`` to its current generation before vLLM reads
-it (``pin_current_generation``), and ``apply_cpu_gemm_from_env`` applies ``TENSORIZER_MANIFEST_CPU_GEMM``.
+load formats, pins a format-3 checkpoint given as vLLM's ``model`` to its current generation before vLLM reads
+it (``pin_current_generation``) and has the engine's processes hand their typed errors back to the process that
+started it (``_error_relay``); ``apply_cpu_gemm_from_env`` applies ``TENSORIZER_MANIFEST_CPU_GEMM``.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import _vllm_compat
+from .. import _error_relay, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
 from ..storage.remote import CREDENTIAL_OPTIONS
 from .loaders import CaptureModelLoader, ManifestModelLoader
@@ -54,6 +55,13 @@ def pin_current_generation(engine_args) -> None:
     logger.info("%s: serving its current generation %s from %s", given, generation.id, folder)
 
 
+def before_engine_config(engine_args) -> None:
+    """In the process that starts an engine, before vLLM reads its model or starts a process: a relay for the typed
+    errors of the engine's processes, and the current generation pinned."""
+    _error_relay.open_relay()
+    pin_current_generation(engine_args)
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: register both load formats in this process.
 
@@ -61,7 +69,8 @@ def register() -> None:
     ``model_loader_extra_config`` (vLLM logs its engine arguments, that dict included, after loading plugins;
     the redaction is in the log record factory, so no logger or handler escapes it), and records each layer's
     attributes before vLLM's post-load step in any engine (a few dicts), so that one the default loader loaded
-    can save itself.
+    can save itself. A typed error raised in the engine's processes while it starts reaches the caller of
+    ``LLM()`` (or ``vllm serve``) as that error, not as vLLM's "Engine core initialization failed".
     """
     _vllm_compat.redact_logged_options(CREDENTIAL_OPTIONS)
     apply_cpu_gemm_from_env()
@@ -70,4 +79,5 @@ def register() -> None:
     from ..save.rebuild import remember_pre_step_attributes
 
     _vllm_compat.before_every_post_load_step(remember_pre_step_attributes)  # so any engine can save itself
-    _vllm_compat.before_engine_config(pin_current_generation)
+    _vllm_compat.before_engine_config(before_engine_config)
+    _vllm_compat.on_engine_start_failure(lambda _vllms_error: _error_relay.relayed_error())

@@ -13,6 +13,7 @@ import torch
 
 from .. import _vllm_compat
 from .._constants import LOAD_FORMAT, SPILL_DIR_ENV
+from .._error_relay import relaying
 from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, TensorizerManifestError
 from ..format.generation import Layout
@@ -65,12 +66,14 @@ def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
 
 
 class ManifestWorkerExtension:
-    """Worker methods, reached with ``llm.collective_rpc(name, args=...)``."""
+    """Worker methods, reached with ``llm.collective_rpc(name, args=...)``. Those that write hand their typed errors
+    to the process that called them (``relaying``): vLLM passes only their text."""
 
     def _tm_model(self) -> torch.nn.Module:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
+    @relaying
     def save_tensorizer_manifest(
         self,
         output_dir: str,
@@ -322,6 +325,7 @@ class ManifestWorkerExtension:
         capture.stem = rank_stem(vllm_config)
         return capture
 
+    @relaying
     def add_tensorizer_manifest_form(
         self, checkpoint_dir: str, signing_key_file: str | None = None, encryption_key_file: str | None = None
     ) -> dict:

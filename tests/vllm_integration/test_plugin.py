@@ -38,10 +38,13 @@ def test_a_format_3_checkpoint_given_as_vllm_s_model_is_pinned_before_vllm_reads
 
     from tensorizer_manifest._constants import LOAD_FORMAT
     from tensorizer_manifest.format.generation import generation_dir
-    from tensorizer_manifest.vllm_integration.plugin import pin_current_generation, register
+    from tensorizer_manifest.vllm_integration.plugin import before_engine_config, pin_current_generation, register
 
     register()
-    assert EngineArgs.create_engine_config._tensorizer_manifest_hook is pin_current_generation
+    assert EngineArgs.create_engine_config._tensorizer_manifest_hook is before_engine_config
+    import vllm.v1.engine.utils as engine_utils  # an engine's failed start raises its processes' typed error
+
+    assert "_tensorizer_manifest_translate" in vars(engine_utils.wait_for_engine_startup)
     root, generation = _checkpoint(tmp_path)
     args = EngineArgs(model=str(root), load_format=LOAD_FORMAT)
     pin_current_generation(args)
