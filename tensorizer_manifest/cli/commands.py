@@ -742,7 +742,8 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
     if json:
         console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
         return
-    for rank in result.ranks:
+    for rank in result.ranks:  # a rank's keys depend on what it added (``AddFormResult.ranks``)
+        not_added = rank.get("not_added") or {}
         if rank.get("archive"):
             console().print(
                 f"added the compile form of this machine kind ({' '.join(rank['machine'])}): {rank['archive']} "
@@ -757,16 +758,16 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
                 f"{rank['tensor_file']} ({rank['bytes']:,} bytes, {len(rank['added'])} layers processed); engines at "
                 "this layout now load it without vLLM's step on them"
             )
-        elif rank["tensor_file"]:
+        elif rank.get("tensor_file"):
             console().print(
                 f"added the form of {len(rank['added'])} layers made here: {rank['tensor_file']} "
                 f"({rank['bytes']:,} bytes); this machine kind now loads them processed"
             )
-        elif not rank["not_added"]:
+        elif not not_added:
             console().print("nothing to add: every layer with a fallback already loads processed here")
         else:
             console().print("nothing added: no verified restorer covers what vLLM's step made here")
-        for path, why in rank["not_added"].items():
+        for path, why in not_added.items():
             console().print(f"  {path}: stays on its fallback here ({why})", highlight=False)
 
 

@@ -25,6 +25,7 @@ import sys
 
 import msgspec
 import pytest
+from helpers.terminal import typed
 
 pytestmark = pytest.mark.e2e
 
@@ -96,13 +97,14 @@ def _on_s3(server, uri: str, work, results: dict, engine_args: list[str]) -> Non
     options = options_for(server)
     upload_checkpoint(work / "unsigned", uri, options)
     env = {**server.env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CACHE_ROOT": str(work / "cache-add-form-s3")}
-    layout = _cli("add-form", uri, "-tp", "2", "--json", env=env)
-    assert layout.returncode == 0, layout.stderr[-3000:]
+    layout = typed("add-form", uri, "-tp", "2", env=env)  # on a terminal, as typed: the layout's summary
+    assert layout.returncode == 0, layout.output[-3000:]
     added = _cli("add-form", uri, "--compile", "-tp", "2", "--json", *engine_args, env=env)
     assert added.returncode == 0, added.stderr[-3000:]
     results["s3"] = {
         "uri": uri,
         "add-form": json.loads(added.stdout),
+        "typed-layout": layout,
         "model_dir": fetch_model_files(uri, work / "s3-model-files", options),
         "loader": {
             "checkpoint_dir": uri,
@@ -140,20 +142,29 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
     server_args = [*(a for k, v in SERVING.items() if k != "max_num_seqs" for a in ("--engine-arg", f"{k}={v}")),
                    "--for-server"]  # fmt: skip
     results: dict = {"eager-reference": [t[:8] for t in saved["reference_tokens"]], "work": work}
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
     for name, source, keyed, serving in (
         ("signed", saved, ["--signing-key-file", str(key)], server_args),
         ("unsigned", moe, [], engine_args),
     ):
         checkpoint = work / name
-        made = _cli("save", source["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
-        assert made.returncode == 0, made.stderr[-3000:]
-        added = _cli("add-form", str(checkpoint), "--compile", "--json", *keyed, *serving,
-                     env={"VLLM_CACHE_ROOT": str(work / f"cache-add-form-{name}")})  # fmt: skip
-        assert added.returncode == 0, added.stderr[-3000:]
-        results[name] = {"add-form": json.loads(added.stdout), "checkpoint": checkpoint}
-    from tensorizer_manifest.storage.checkpoint import load_generation
-
-    (results["unsigned-form"],) = load_generation(work / "unsigned")[0].compile_forms
+        env = {"VLLM_CACHE_ROOT": str(work / f"cache-add-form-{name}")}
+        if name == "signed":  # as a person types it: the installed script on a terminal, the summaries for people
+            made = typed("save", source["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
+            assert made.returncode == 0, made.output[-3000:]
+            added = typed("add-form", str(checkpoint), "--compile", *keyed, *serving, env=env)
+            assert added.returncode == 0, added.output[-3000:]
+            results[name] = {"typed": {"save": made, "add-form": added}}
+        else:
+            made = _cli("save", source["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
+            assert made.returncode == 0, made.stderr[-3000:]
+            added = _cli("add-form", str(checkpoint), "--compile", "--json", *keyed, *serving, env=env)
+            assert added.returncode == 0, added.stderr[-3000:]
+            results[name] = {"add-form": json.loads(added.stdout)}
+        (form,) = load_generation(checkpoint)[0].compile_forms
+        results[name].update(checkpoint=checkpoint, form=form)
+    results["unsigned-form"] = results["unsigned"]["form"]
     results["server"] = moto_s3
 
     from helpers.remote import fresh_prefix
@@ -192,7 +203,7 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
     results["other-machine"] = run("other-machine", other, "tensorizer_manifest", trusting)
     eager = work / "eager"
     shutil.copytree(signed, eager, symlinks=True)
-    (eager / results["signed"]["add-form"]["ranks"][0]["archive"]).unlink()  # nor by an eager engine
+    (eager / results["signed"]["form"].archive.path).unlink()  # nor by an eager engine
     results["eager"] = run("eager", eager, "tensorizer_manifest", {"signing_key_file": str(key)}, "--eager")
     return results
 
@@ -203,8 +214,6 @@ def _form_lines(result: dict) -> list[str]:
 
 @pytest.mark.parametrize("name", ["signed", "unsigned"])
 def test_add_form_compile_stores_this_machines_form(compiled, name):
-    (rank,) = compiled[name]["add-form"]["ranks"]
-    assert rank["files"] > 0 and rank["bytes"] > 0
     from tensorizer_manifest.load.compile_placement import machine_kind
     from tensorizer_manifest.storage.checkpoint import load_generation
 
@@ -213,7 +222,30 @@ def test_add_form_compile_stores_this_machines_form(compiled, name):
     assert generation.seal.mode == ("mac" if name == "signed" else "digest")
     (form,) = generation.compile_forms
     assert form.machine == machine_kind() and form.aot is False
-    assert form.archive.path == rank["archive"]
+    assert len(form.files) > 0 and form.archive.size > 0
+    if name == "unsigned":  # what --json said is what was committed
+        (rank,) = compiled[name]["add-form"]["ranks"]
+        assert (rank["archive"], rank["files"], rank["bytes"]) == (
+            form.archive.path,
+            len(form.files),
+            form.archive.size,
+        )
+
+
+def test_save_and_add_form_compile_typed_on_a_terminal_end_with_their_summaries(compiled):
+    """The installed script on a pseudo-terminal, no --json (#47: add-form --compile committed its form, then ended
+    in a KeyError, exit 1, on exactly this path)."""
+    typed_save, typed_add = compiled["signed"]["typed"]["save"], compiled["signed"]["typed"]["add-form"]
+    form = compiled["signed"]["form"]
+    assert typed_add.returncode == 0 and "Traceback" not in typed_add.output, typed_add.output[-3000:]
+    said = typed_add.flat
+    assert "added the compile form of this machine kind" in said and form.archive.path in said, said[-3000:]
+    assert f"{len(form.files)} files" in said, said[-3000:]
+    assert typed_save.returncode == 0 and "Traceback" not in typed_save.output, typed_save.output[-3000:]
+    assert "committed generation" in typed_save.flat and "load it with: LLM(" in typed_save.flat
+    layout = compiled["s3"]["typed-layout"]  # add-form of a new layout, on S3
+    assert layout.returncode == 0 and "Traceback" not in layout.output, layout.output[-3000:]
+    assert "added the form set of tp=2 pp=1 made here from the base" in layout.flat, layout.output[-3000:]
 
 
 def test_add_form_compile_on_s3_at_tp2_adds_that_layouts_form_and_keeps_the_others(compiled):
