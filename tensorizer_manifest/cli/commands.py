@@ -250,7 +250,8 @@ def _processed_layers(root, generation, form_set, remote) -> str:
     fed: set[str] = set()
     try:
         for rank in form_set.ranks:
-            manifest, _ = load_manifest(root, rank.stem, remote=remote, generation=generation, follow_pointer=False)
+            manifest, _ = load_manifest(root, rank.stem, remote=remote, generation=generation, follow_pointer=False,
+                                        vllm_version=form_set.fingerprint.vllm_version)  # fmt: skip
             for module in manifest.modules:
                 states.setdefault(module.path, set()).add(module.state)
                 if fed_from_base(module.tensors):

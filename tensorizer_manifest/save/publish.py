@@ -31,7 +31,7 @@ from ..format.generation import (
     seal_generation,
 )
 from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
-from ..storage.checkpoint import checkpoint_stem
+from ..storage.checkpoint import checkpoint_stem, form_set_of
 from ..storage.files import make_folder
 from ..storage.generations import LocalCheckpoint, refresh_top_level
 from ..storage.remote import is_model_file
@@ -180,14 +180,19 @@ def form_set(layout: Layout, fingerprint: Fingerprint, ranks: list[RankRef]) -> 
     return FormSet(layout=layout, fingerprint=fingerprint, ranks=ranks)
 
 
-def with_new_manifests(publication: Publication, parent: Generation) -> list[FormSet]:
-    """``parent``'s form sets, where each rank that wrote a new manifest into the publication's folder (an add-form)
-    names it, and the tensor files it keeps from ``parent`` where ``parent`` has them; the other ranks unchanged."""
+def with_new_manifests(publication: Publication, parent: Generation, vllm_version: str | None = None) -> list[FormSet]:
+    """``parent``'s form sets, where each rank that wrote a new manifest into the publication's folder (an add-form
+    by an engine of ``vllm_version``) names it in the form set that engine loaded (``checkpoint.form_set_of``: a
+    layout has one per release), and the tensor files it keeps from ``parent`` where ``parent`` has them; the other
+    ranks and form sets unchanged."""
+    stems = {rank.stem for form_set in parent.form_sets for rank in form_set.ranks}
+    written = {stem for stem in stems if (publication.folder / f"{stem}.manifest.json").is_file()}
+    loaded = {id(form_set_of(parent, stem, vllm_version)) for stem in written}
     form_sets = []
     for old in parent.form_sets:
         ranks = []
         for rank in old.ranks:
-            if (publication.folder / f"{rank.stem}.manifest.json").is_file():
+            if id(old) in loaded and rank.stem in written:
                 keeps = {path.rpartition("/")[2]: path for path in rank.tensor_files}
                 ranks.append(rank_entry(publication, rank.stem, keeps))
             else:

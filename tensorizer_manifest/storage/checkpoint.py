@@ -304,12 +304,14 @@ def load_manifest(
     remote: RemoteOptions | None = None,
     generation: Generation | None = None,
     follow_pointer: bool = True,
+    vllm_version: str | None = None,
 ) -> tuple[Manifest, FileLocation]:
     """The manifest of a checkpoint directory, URI or manifest file, and the file it was read from.
 
     A checkpoint of format version 3 gives the rank's manifest of ``generation`` (by default the current one,
-    through the pointer), its bytes checked against the generation's record of them. ``follow_pointer=False``:
-    the caller found no pointer already (a loader's ranks agreed on that) and it is not looked for again."""
+    through the pointer), its bytes checked against the generation's record of them; of the form set ``vllm_version``
+    made, where its layout has one per release (``form_set_of``). ``follow_pointer=False``: the caller found no
+    pointer already (a loader's ranks agreed on that) and it is not looked for again."""
     root = checkpoint_root(path, remote)
     if root is None and str(path).endswith(MANIFEST_SUFFIX):  # a rank's name at the top of a format-3 checkpoint
         named = as_remote(path, remote) if is_remote(path) else Path(path)  # type: ignore[arg-type]
@@ -322,7 +324,7 @@ def load_manifest(
     if generation is not None:
         if root is None:
             raise ConfigurationError(f"{path}: give the checkpoint's directory, not one of its files")
-        return _load_rank_manifest(root, generation, stem)
+        return _load_rank_manifest(root, generation, stem, vllm_version)
     manifest_path = find_manifest(path, stem, remote)
     if isinstance(manifest_path, RemoteFile):
         size = manifest_path.size()
@@ -430,11 +432,13 @@ def pinned_generation(location: Path | RemoteDir) -> tuple[Path | RemoteDir, Gen
     return root, generation
 
 
-def rank_of(generation: Generation, stem: str | None, where: object) -> RankRef:
-    """A rank's entry in the generation's form sets (``stem`` None: the first rank of the first set). A rank the
-    generation has no manifest for is a ``CompatibilityError`` naming the layouts it holds."""
+def rank_of(generation: Generation, stem: str | None, where: object, vllm_version: str | None = None) -> RankRef:
+    """A rank's entry in the generation's form sets (``stem`` None: the first rank of the first set), in the form set
+    ``form_set_of`` picks for ``vllm_version``. A rank the generation has no manifest for is a
+    ``CompatibilityError`` naming the layouts it holds."""
     ranks = [rank for form_set in generation.form_sets for rank in form_set.ranks]
-    for rank in ranks:
+    chosen = None if stem is None else form_set_of(generation, stem, vllm_version)
+    for rank in ranks if chosen is None else chosen.ranks:
         if stem is None or rank.stem == stem:
             return rank
     mismatch = layout_mismatch(where, stem or "model", [rank.stem + MANIFEST_SUFFIX for rank in ranks])
@@ -444,9 +448,9 @@ def rank_of(generation: Generation, stem: str | None, where: object) -> RankRef:
 
 
 def _load_rank_manifest(
-    root: Path | RemoteDir, generation: Generation, stem: str | None
+    root: Path | RemoteDir, generation: Generation, stem: str | None, vllm_version: str | None = None
 ) -> tuple[Manifest, FileLocation]:
-    rank = rank_of(generation, stem, root)
+    rank = rank_of(generation, stem, root, vllm_version)
     location = root / rank.manifest.path
     data = _read_bounded(location, "manifest")
     if data is None:
@@ -460,14 +464,20 @@ def _load_rank_manifest(
     return decode_manifest(data, source=str(location)), location
 
 
-def form_set_of(generation: Generation, stem: str) -> FormSet | None:
-    """The form set that has a manifest for this rank's layout and place, or None."""
-    return next((s for s in generation.form_sets if any(rank.stem == stem for rank in s.ranks)), None)
+def form_set_of(generation: Generation, stem: str, vllm_version: str | None = None) -> FormSet | None:
+    """The form set that has a manifest for this rank's layout and place, or None. A layout has one form set per
+    vLLM release (``add-form`` on a new release adds its own beside the old, so that both releases load processed):
+    the one ``vllm_version`` made where there is one, else the newest."""
+    at_layout = [s for s in generation.form_sets if any(rank.stem == stem for rank in s.ranks)]
+    same_release = [s for s in at_layout if s.fingerprint.vllm_version == vllm_version]
+    return (same_release or at_layout or [None])[-1]
 
 
-def has_rank(generation: Generation, stem: str) -> bool:
-    """Whether one of the generation's form sets has a manifest for this rank's layout and place."""
-    return form_set_of(generation, stem) is not None
+def has_rank(generation: Generation, stem: str, vllm_version: str | None = None) -> bool:
+    """Whether one of the generation's form sets has a manifest for this rank's layout and place (made by
+    ``vllm_version``, where given)."""
+    found = form_set_of(generation, stem, vllm_version)
+    return found is not None and vllm_version in (None, found.fingerprint.vllm_version)
 
 
 def load_base(

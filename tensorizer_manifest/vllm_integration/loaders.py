@@ -388,8 +388,9 @@ class ManifestModelLoader(BaseModelLoader):
             raise undescribed  # type: ignore[misc]
         try:
             manifest, manifest_path = load_manifest(
-                root, stem, remote=options.remote(), generation=generation, follow_pointer=False
-            )
+                root, stem, remote=options.remote(), generation=generation, follow_pointer=False,
+                vllm_version=fingerprint.vllm_version,
+            )  # fmt: skip
         except NoManifestError as exc:
             source = model_config.model if str(model_config.model).rstrip("/") != checkpoint.rstrip("/") else None
             raise no_manifest_error(
@@ -475,10 +476,10 @@ class ManifestModelLoader(BaseModelLoader):
             raise ConfigurationError(
                 f"{root}: this vLLM cannot describe the forms it would make, so add-form cannot run on it ({why})"
             )
-        if options.add_form and has_rank(generation, rank_stem(vllm_config)):
+        if options.add_form and has_rank(generation, rank_stem(vllm_config), fingerprint.vllm_version):
             raise ConfigurationError(
-                f"{root}: {why}; add-form adds a form set only at a layout that has none (one form set a layout): "
-                "start its engine with the settings that layout's form set was made with"
+                f"{root}: {why}; add-form adds a form set at a layout only where this vLLM release made none (one "
+                "form set a layout and release): start its engine with the settings that form set was made with"
             )
         captured: list[Capture] = []
 
@@ -658,7 +659,7 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
     settings."""
     if options.source == "base":
         return "the load options ask for the base (source='base')"
-    form_set = form_set_of(generation, stem)
+    form_set = form_set_of(generation, stem, None if fingerprint is None else fingerprint.vllm_version)
     if form_set is None:
         parallel = vllm_config.parallel_config
         layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp}" for s in generation.form_sets) or "none"
@@ -669,11 +670,14 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
         )
     if fingerprint is None:
         return f"this vLLM cannot use generation {generation.id}'s forms ({undescribed})"
-    made_by = form_set.fingerprint.vllm_version
-    if made_by != fingerprint.vllm_version:  # its raw fallbacks too are in that release's names and shapes
-        return f"its form set at this layout was made by vLLM {made_by} (this engine: {fingerprint.vllm_version})"
+    if form_set.fingerprint.vllm_version != fingerprint.vllm_version:  # its fallbacks too are in that release's names
+        made_by = sorted({s.fingerprint.vllm_version for s in generation.form_sets if s.layout == form_set.layout})
+        return (
+            f"its form sets at this layout were made by vLLM {', '.join(made_by)} (this engine: "
+            f"{fingerprint.vllm_version}; `tensorizer-manifest add-form` on this release adds its own)"
+        )
     manifest, manifest_path = load_manifest(root, stem, remote=options.remote(), generation=generation,
-                                            follow_pointer=False)  # fmt: skip
+                                            follow_pointer=False, vllm_version=fingerprint.vllm_version)  # fmt: skip
     try:
         check_compatible(manifest.fingerprint, fingerprint, manifest, str(manifest_path))
         refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))

@@ -399,7 +399,7 @@ class ManifestWorkerExtension:
             publish.commit(
                 publication,
                 made_by="add-form",
-                form_sets=publish.with_new_manifests(publication, generation),
+                form_sets=publish.with_new_manifests(publication, generation, capture.fingerprint.vllm_version),
                 model_files=publish.carry_model_files(publication, generation),
                 base=generation.base,
                 compile_forms=generation.compile_forms,

