@@ -1,5 +1,5 @@
 # The two commands README.md promises: `make demo` and `make test`.
-.PHONY: setup demo test test-quick test-e2e-quick lint format bench schema
+.PHONY: setup demo test test-quick test-e2e-quick lint format bench schema release-check
 
 SOURCES = tensorizer_manifest tests scripts benchmarks
 
@@ -53,3 +53,8 @@ bench: setup
 	.venv/bin/python benchmarks/bench_validate.py
 	.venv/bin/python benchmarks/bench_base.py
 	.venv/bin/python benchmarks/bench_compile.py
+
+# vLLM names this package uses, checked against a release's wheel (read, not run): make release-check VLLM=0.34.0
+VLLM ?= 0.34.0
+release-check: setup
+	.venv/bin/python scripts/vllm_release_check.py $(VLLM)

@@ -1,0 +1,283 @@
+"""``scripts/vllm_release_check.py`` on a tiny fake vLLM wheel: the resolver's answers, found and not, with no
+network and no real wheel (the real releases' tables are in docs/vllm-releases.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "vllm_release_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("vllm_release_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module
+
+
+release_check = _load_script()
+Wanted = release_check.Wanted
+
+#: The fake release: each way vLLM binds a name that the check has to find.
+FAKE_VLLM = {
+    "vllm/__init__.py": """
+from .version import __version__
+import typing
+
+MODULE_ATTRS = {"LLM": ".entry:LLM", "Params": ".loaders.default:Params"}
+
+if typing.TYPE_CHECKING:
+    from vllm.entry import LLM
+    from vllm.ops import plain
+else:
+    def __getattr__(name):
+        raise AttributeError(name)
+""",
+    "vllm/version.py": "__version__ = '0.99.0'\n",
+    "vllm/entry.py": "class LLM:\n    def __init__(self, model, **engine_kwargs):\n        pass\n",
+    "vllm/ops.py": """
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # no module __getattr__ here: a name for type checkers only
+    from vllm.loaders.base import BaseLoader
+
+try:
+    from ._C import fast
+except ImportError:
+    def fast(x):
+        return x
+
+counter: int = 0
+from torch import empty
+from math import *  # another distribution's star import: says nothing of which names it binds
+
+def plain(a, b, *, c=None):
+    pass
+
+async def flexible(a, **kwargs):
+    pass
+
+alias_of_plain = plain
+""",
+    "vllm/loaders/__init__.py": """
+from .base import BaseLoader
+from vllm.loaders.default import DefaultLoader as Loader
+from . import default
+""",
+    "vllm/loaders/base.py": """
+class BaseLoader:
+    registry = {}
+
+    def load(self, model, config):
+        pass
+""",
+    "vllm/loaders/default.py": """
+from vllm.loaders.base import BaseLoader
+
+class DefaultLoader(BaseLoader):
+    def _init_filter(self, model_config):
+        pass
+
+class Params:
+    def __init__(self, x, y=1):
+        pass
+""",
+    "vllm/loaders/wrapped.py": """
+from . import base as base_module
+
+class Wrapped(base_module.BaseLoader):
+    pass
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def fake_wheel(tmp_path_factory) -> Path:
+    wheel = tmp_path_factory.mktemp("wheel") / "vllm-0.99.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for member, source in FAKE_VLLM.items():
+            archive.writestr(member, source)
+        archive.writestr("vllm/_C.abi3.so", b"\0")  # not Python: never read
+    return wheel
+
+
+def _check(wheel: Path, module: str, attr: str = "", parameters: tuple[str, ...] = ()):
+    [finding] = release_check.check_names(wheel, [Wanted("private name", module, attr, parameters)])
+    return finding.state, finding.status
+
+
+def test_a_function_is_found_with_its_parameters(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "plain", ("a", "b", "c")) == ("ok", "ok")
+
+
+def test_a_name_re_exported_is_followed_to_its_definition(fake_wheel):
+    assert _check(fake_wheel, "vllm.loaders", "BaseLoader") == ("ok", "ok (defined in vllm.loaders.base)")
+    renamed = _check(fake_wheel, "vllm.loaders", "Loader._init_filter", ("self", "model_config"))
+    assert renamed == ("ok", "ok (defined in vllm.loaders.default)")
+
+
+def test_a_lazy_export_of_a_module_getattr_is_followed(fake_wheel):
+    """vllm/__init__.py's names come from its ``__getattr__``: its ``MODULE_ATTRS`` and its ``TYPE_CHECKING``
+    imports both say where (a ``TYPE_CHECKING`` import elsewhere binds nothing at run time)."""
+    assert _check(fake_wheel, "vllm", "LLM", ("model", "tokenizer")) == (
+        "ok",
+        "ok via **kwargs (tokenizer) (defined in vllm.entry)",
+    )
+    assert _check(fake_wheel, "vllm", "Params", ("x",)) == ("ok", "ok (defined in vllm.loaders.default)")
+    assert _check(fake_wheel, "vllm", "plain", ("a", "b")) == ("ok", "ok (defined in vllm.ops)")
+    assert _check(fake_wheel, "vllm.ops", "BaseLoader") == ("missing", "missing name")
+
+
+def test_a_submodule_counts_as_a_name(fake_wheel):
+    assert _check(fake_wheel, "vllm", "ops") == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.loaders", "wrapped") == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.loaders", "default.Params") == ("ok", "ok (defined in vllm.loaders.default)")
+
+
+def test_a_missing_module(fake_wheel):
+    assert _check(fake_wheel, "vllm.nowhere", "plain") == ("missing", "missing module")
+    assert _check(fake_wheel, "vllm.nowhere") == ("missing", "missing module")
+
+
+def test_a_missing_name(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "gone") == ("missing", "missing name")
+    assert _check(fake_wheel, "vllm.loaders.default", "DefaultLoader.gone") == ("missing", "missing name")
+
+
+def test_a_parameter_the_function_lacks(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "plain", ("a", "b", "d")) == ("changed", "lacks parameter(s) d")
+
+
+def test_a_required_parameter_not_passed(fake_wheel):
+    """``PRIVATE_NAMES`` lists what a call passes: a required parameter it does not list is a new one."""
+    assert _check(fake_wheel, "vllm.ops", "plain", ("a",)) == ("changed", "requires parameter(s) b, not passed")
+
+
+def test_any_parameter_via_kwargs(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "flexible", ("a", "anything")) == ("ok", "ok via **kwargs (anything)")
+
+
+def test_a_name_defined_in_try_except(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "fast", ("x",)) == ("ok", "ok")
+
+
+def test_assignments_are_names_and_an_alias_has_its_targets_signature(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "counter") == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.ops", "alias_of_plain", ("a", "b")) == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.ops", "alias_of_plain", ("a", "z"))[0] == "changed"
+
+
+def test_a_class_method(fake_wheel):
+    found = _check(fake_wheel, "vllm.loaders.default", "DefaultLoader._init_filter", ("self", "model_config"))
+    assert found == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.loaders.default", "DefaultLoader._init_filter", ("self", "config"))[0] == "changed"
+
+
+def test_a_base_class_method(fake_wheel):
+    inherited = "ok (defined in vllm.loaders.base)"
+    assert _check(fake_wheel, "vllm.loaders.default", "DefaultLoader.load", ("self", "model", "config")) == (
+        "ok",
+        inherited,
+    )
+    assert _check(fake_wheel, "vllm.loaders.default", "DefaultLoader.registry") == ("ok", inherited)
+    # a base written as ``module.Class``
+    assert _check(fake_wheel, "vllm.loaders.wrapped", "Wrapped.load", ("self", "model", "config")) == ("ok", inherited)
+    assert _check(fake_wheel, "vllm.loaders.wrapped", "Wrapped.load", ("self",))[0] == "changed"
+
+
+def test_a_class_is_called_through_its_init(fake_wheel):
+    assert _check(fake_wheel, "vllm.loaders.default", "Params", ("x",)) == ("ok", "ok")
+    assert _check(fake_wheel, "vllm.loaders.default", "Params", ("x", "z")) == ("changed", "lacks parameter(s) z")
+
+
+def test_a_name_vllm_takes_from_another_distribution(fake_wheel):
+    assert _check(fake_wheel, "vllm.ops", "empty") == ("ok", "ok (re-exported from torch, not vLLM's)")
+    assert _check(fake_wheel, "vllm.ops", "empty", ("size",))[0] == "unchecked"
+
+
+def test_other_distributions_names_are_skipped(fake_wheel):
+    assert _check(fake_wheel, "torch.cpu", "_is_amx_tile_supported") == ("skipped", "not vLLM's: skipped")
+
+
+def test_the_package_imports_are_collected_once_each_with_their_files(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("import vllm\nfrom vllm.ops import plain, fast\n")
+    function = "def f():\n    from vllm.ops import plain\n    import vllm.loaders.base as base\n    from . import a\n"
+    (package / "sub" / "b.py").write_text("import os\n\n" + function)
+    found = {(w.module, w.attr): w.used_in for w in release_check.package_imports(package)}
+    assert found == {
+        ("vllm", ""): ("a.py",),
+        ("vllm.ops", "plain"): ("a.py", "sub/b.py"),
+        ("vllm.ops", "fast"): ("a.py",),
+        ("vllm.loaders.base", ""): ("sub/b.py",),
+    }
+
+
+def test_a_cached_wheel_is_not_downloaded_again(tmp_path, monkeypatch):
+    cached = tmp_path / "0.99.0" / "vllm-0.99.0-py3-none-any.whl"
+    cached.parent.mkdir()
+    cached.write_bytes(b"")
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip was run for a cached wheel")
+
+    monkeypatch.setattr(release_check.subprocess, "run", no_pip)
+    assert release_check.fetch_wheel("0.99.0", tmp_path) == cached
+
+
+def test_no_network_is_said_in_one_line(tmp_path, monkeypatch):
+    def offline_pip(command, **kwargs):
+        stderr = (
+            "WARNING: Retrying after connection broken by 'NewConnectionError(...)'\nERROR: No matching distribution\n"
+        )
+        return subprocess.CompletedProcess(command, 1, "", stderr)
+
+    monkeypatch.setattr(release_check.subprocess, "run", offline_pip)
+    with pytest.raises(release_check.NoWheel) as raised:
+        release_check.fetch_wheel("0.99.0", tmp_path)
+    assert str(raised.value) == "vLLM 0.99.0: no wheel to read: no network (pip could not reach the package index)"
+    assert not (tmp_path / "0.99.0").exists(), "an empty cache folder was left behind"
+    monkeypatch.setattr(sys, "argv", ["vllm_release_check.py", "0.99.0", "--cache", str(tmp_path)])
+    assert release_check.main() == 2
+
+
+def _run_main(tmp_path, fake_wheel, monkeypatch, wanted, *flags):
+    cached = tmp_path / "0.99.0" / fake_wheel.name
+    cached.parent.mkdir(exist_ok=True)
+    cached.write_bytes(fake_wheel.read_bytes())
+    monkeypatch.setattr(release_check, "private_names", lambda: wanted[:1])
+    monkeypatch.setattr(release_check, "package_imports", lambda: wanted[1:])
+    return release_check.main(["0.99.0", "--cache", str(tmp_path), *flags])
+
+
+def test_the_table_summary_and_exit_status(tmp_path, fake_wheel, monkeypatch, capsys):
+    wanted = [
+        Wanted("private name", "vllm.ops", "plain", ("a", "b"), ("_vllm_compat",)),
+        Wanted("import", "vllm.loaders", "BaseLoader", (), ("save/x.py", "load/y.py")),
+    ]
+    assert _run_main(tmp_path, fake_wheel, monkeypatch, wanted, "--markdown") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| what | vLLM name | used in | status |"
+    assert "| import | `vllm.loaders:BaseLoader` | save/x.py, load/y.py | ok (defined in vllm.loaders.base) |" in out
+    assert out[-1] == "vLLM 0.99.0: 1 private names and 1 imports checked, 0 missing, 0 changed"
+
+    wanted.append(Wanted("import", "vllm.ops", "gone", (), ("z.py",)))
+    assert _run_main(tmp_path, fake_wheel, monkeypatch, wanted, "--json") == 1
+    document = json.loads(capsys.readouterr().out)
+    assert [row["status"] for row in document["findings"]] == [
+        "ok",
+        "ok (defined in vllm.loaders.base)",
+        "missing name",
+    ]
+    assert document["summary"] == "vLLM 0.99.0: 1 private names and 2 imports checked, 1 missing, 0 changed"
