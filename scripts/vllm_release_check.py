@@ -9,6 +9,8 @@ needs neither: it downloads the release's wheel once (into ``build/vllm-wheels/V
 members with ``ast``, never importing vLLM. It checks ``_vllm_compat.PRIVATE_NAMES`` (the name, and that the
 callable still takes the parameters this package passes it) and every ``import vllm...`` /
 ``from vllm... import`` in ``tensorizer_manifest/`` (each module and each name, re-exports followed).
+``check_names`` reads an installed vLLM's source tree the same way (the tests check that its answers there are the
+import-time check's).
 
 Exit status: 0 when nothing is missing or changed, 1 otherwise, 2 when the wheel cannot be had.
 """
@@ -37,26 +39,30 @@ MAX_HOPS = 8
 OK, MISSING, CHANGED, UNCHECKED, SKIPPED = "ok", "missing", "changed", "unchecked", "skipped"
 
 
-# --- the wheel's sources --------------------------------------------------------------------------
+# --- the sources read -----------------------------------------------------------------------------
 
 
-class WheelSources:
-    """The ``vllm/`` Python modules of one wheel, parsed on first use (read from the zip, never extracted)."""
+class Sources:
+    """The ``vllm/`` Python modules of one vLLM release, parsed on first use; where they are read from is a
+    subclass's: ``_has`` and ``_read`` a member (``vllm/a/b.py``)."""
 
-    def __init__(self, wheel: Path):
-        self.wheel = Path(wheel)
-        self._archive = zipfile.ZipFile(self.wheel)
-        self._members = {name for name in self._archive.namelist() if name.endswith(".py")}
+    def __init__(self) -> None:
         self._trees: dict[str, ast.Module] = {}
 
+    def _has(self, member: str) -> bool:
+        raise NotImplementedError
+
+    def _read(self, member: str) -> bytes:
+        raise NotImplementedError
+
     def close(self) -> None:
-        self._archive.close()
+        pass
 
     def member(self, module: str) -> str | None:
-        """The wheel member holding ``module`` (``vllm/a/b.py`` or ``vllm/a/b/__init__.py``), None without one."""
+        """The member holding ``module`` (``vllm/a/b.py`` or ``vllm/a/b/__init__.py``), None without one."""
         base = module.replace(".", "/")
         for candidate in (f"{base}.py", f"{base}/__init__.py"):
-            if candidate in self._members:
+            if self._has(candidate):
                 return candidate
         return None
 
@@ -68,8 +74,49 @@ class WheelSources:
         if member is None:
             return None
         if member not in self._trees:
-            self._trees[member] = ast.parse(self._archive.read(member), filename=member)
+            self._trees[member] = ast.parse(self._read(member), filename=member)
         return self._trees[member]
+
+
+class WheelSources(Sources):
+    """A wheel's ``.py`` members, read from the zip, never extracted."""
+
+    def __init__(self, wheel: Path):
+        super().__init__()
+        self.wheel = Path(wheel)
+        self._archive = zipfile.ZipFile(self.wheel)
+        self._members = {name for name in self._archive.namelist() if name.endswith(".py")}
+
+    def close(self) -> None:
+        self._archive.close()
+
+    def _has(self, member: str) -> bool:
+        return member in self._members
+
+    def _read(self, member: str) -> bytes:
+        return self._archive.read(member)
+
+
+class TreeSources(Sources):
+    """An installed vLLM's ``.py`` files: ``root`` is the directory holding ``vllm/`` (site-packages, as
+    ``Path(vllm.__file__).parent.parent``). Only ``vllm/`` is read, as a wheel holds only vLLM's modules."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = Path(root)
+        if not (self.root / "vllm").is_dir():
+            raise FileNotFoundError(f"{self.root} holds no vllm/ to read")
+
+    def _has(self, member: str) -> bool:
+        return member.startswith("vllm/") and (self.root / member).is_file()
+
+    def _read(self, member: str) -> bytes:
+        return (self.root / member).read_bytes()
+
+
+def sources_at(path: Path) -> Sources:
+    """The sources in ``path``: a wheel, or a directory holding ``vllm/`` (an installed vLLM)."""
+    return TreeSources(path) if Path(path).is_dir() else WheelSources(path)
 
 
 # --- what a name is bound to ----------------------------------------------------------------------
@@ -172,9 +219,9 @@ def _is_vllm(module: str) -> bool:
 
 
 class Resolver:
-    """Finds what a vLLM name is bound to in a wheel's sources, following re-exports within vLLM."""
+    """Finds what a vLLM name is bound to in a release's sources, following re-exports within vLLM."""
 
-    def __init__(self, sources: WheelSources):
+    def __init__(self, sources: Sources):
         self.sources = sources
 
     def name_in_module(self, module: str, name: str, hops: int = 0) -> list[Target]:
@@ -332,9 +379,9 @@ def _is_dataclass(node: ast.ClassDef) -> bool:
 
 
 class Checker:
-    """Checks ``Wanted`` names against one wheel."""
+    """Checks ``Wanted`` names against one release's sources."""
 
-    def __init__(self, sources: WheelSources):
+    def __init__(self, sources: Sources):
         self.resolver = Resolver(sources)
 
     def check(self, wanted: Wanted) -> Finding:
@@ -408,9 +455,10 @@ class Checker:
         return fields
 
 
-def check_names(wheel: Path, wanted: list[Wanted]) -> list[Finding]:
-    """Each of ``wanted`` checked against the vLLM sources in ``wheel``, in order."""
-    sources = WheelSources(wheel)
+def check_names(where: Path, wanted: list[Wanted]) -> list[Finding]:
+    """Each of ``wanted`` checked against the vLLM sources in ``where``, in order: a wheel, or a directory holding
+    ``vllm/`` (an installed vLLM: the tests check that its answers are the import-time check's)."""
+    sources = sources_at(where)
     try:
         checker = Checker(sources)
         return [checker.check(name) for name in wanted]

