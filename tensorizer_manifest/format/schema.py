@@ -258,7 +258,9 @@ class Seal(_Struct, kw_only=True):
     hash: ContentHash
 
 
-class AddedForm(_Struct, kw_only=True):
+# ``omit_defaults``: its one defaulted field, ``base``, is left out of the encoding while None, as forms were before
+# it (their seals hold). (A comment, not the docstring: the docstring is the JSON Schema's description.)
+class AddedForm(_Struct, kw_only=True, omit_defaults=True):
     """Format version 2. The processed form of some layers as another engine makes it (``add-form``: another
     machine kind, or another vLLM), from their raw fallbacks, in a tensor file of its own."""
 
@@ -546,38 +548,30 @@ _forms_undecoded_decoder = msgspec.json.Decoder(_FormsUndecoded)
 _form_decoder = msgspec.json.Decoder(AddedForm)
 _header_decoder = msgspec.json.Decoder(_Header)
 
-#: An empty ``fallback`` and an empty ``added_forms``, as msgspec writes them: each the last field of its struct
-#: (``save_id``, when None, is taken off first), so ``}`` follows. Inside a JSON string every ``"`` is escaped, so
-#: these bytes only ever occur as those fields.
-_EMPTY_FALLBACK = b',"fallback":[]}'
-_NO_ADDED_FORMS = b',"added_forms":[]}'
-_NO_SAVE_ID = b',"save_id":null}'
-
 
 def _encode(manifest: Manifest) -> bytes:
     """Compact JSON with every empty ``fallback``, an empty ``added_forms``, a None ``save_id`` and an added
-    form's None ``base`` left out: a manifest without them encodes, byte for byte, as it did before they
-    existed (its seal still matches, and older readers, which refuse unknown fields, read it). msgspec has no
-    per-field ``omit_defaults``; each field is last in its struct once the ones after it are taken off, so
-    this is exact."""
-    if any(isinstance(form, AddedForm) and form.base is None for form in manifest.added_forms):
-        forms = [_without_base(form) if isinstance(form, AddedForm) else form for form in manifest.added_forms]
-        manifest = msgspec.structs.replace(manifest, added_forms=forms)
-    data = _encoder.encode(manifest).replace(_EMPTY_FALLBACK, b"}")
-    for absent in (_NO_SAVE_ID, _NO_ADDED_FORMS):
-        if data.endswith(absent):
-            data = data[: -len(absent)] + b"}"
-    return data
+    form's None ``base`` left out (``msgspec.UNSET`` omits a field whatever its annotation; ``AddedForm`` omits its
+    one defaulted field): a manifest without them encodes, byte for byte, as it did before they existed (its seal
+    still matches, and older readers, which refuse unknown fields, read it). Only those fields: the same names as
+    keys of a record's own dicts are data."""
+    replaced: dict[str, object] = {"modules": _without_empty_fallbacks(manifest.modules)}
+    if manifest.added_forms:
+        replaced["added_forms"] = [
+            msgspec.structs.replace(form, modules=_without_empty_fallbacks(form.modules))
+            if isinstance(form, AddedForm)
+            else form
+            for form in manifest.added_forms
+        ]
+    else:
+        replaced["added_forms"] = msgspec.UNSET
+    if manifest.save_id is None:
+        replaced["save_id"] = msgspec.UNSET
+    return _encoder.encode(msgspec.structs.replace(manifest, **replaced))
 
 
-def _without_base(form: AddedForm) -> AddedForm | dict:
-    """A form that records no base, as forms were before ``base`` (a dict in field order encodes as the struct
-    did): so the seals of those manifests still match."""
-    if form.base is not None:
-        return form
-    fields = msgspec.structs.asdict(form)
-    del fields["base"]
-    return fields
+def _without_empty_fallbacks(modules: list[ModuleRecord]) -> list[ModuleRecord]:
+    return [m if m.fallback else msgspec.structs.replace(m, fallback=msgspec.UNSET) for m in modules]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

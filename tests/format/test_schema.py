@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorizer_manifest.checks.validate import validate_checkpoint
 from tensorizer_manifest.errors import ManifestError, ManifestVersionError
@@ -368,3 +370,32 @@ def test_the_checked_in_v3_checkpoint_whose_form_set_leaves_layers_to_the_base_s
     assert report.hashes_checked == report.stored == len(stored) + len(base.tensors)
     problems, _ = check_manifest(manifest, manifest_path)  # as if its generation had no base
     assert problems and all("no tensor file key" in p.message for p in problems)
+
+
+_NAMES_THE_ENCODER_LEAVES_OUT = st.sampled_from(["fallback", "added_forms", "save_id", "input_dim", "base"])
+_PLAIN = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5),
+    st.just([]),
+    st.just("fallback"),
+    st.lists(st.integers(0, 3), max_size=2),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    attrs=st.dictionaries(_NAMES_THE_ENCODER_LEAVES_OUT, _PLAIN, max_size=4),
+    form=st.dictionaries(_NAMES_THE_ENCODER_LEAVES_OUT, _PLAIN, max_size=4),
+)
+def test_a_dict_holding_the_names_of_fields_left_out_round_trips_exactly(attrs, form):
+    """#46: ``"fallback": []`` (or ``"added_forms": []``, ``"save_id": null``) as a key and value of a record's own
+    dicts is data, kept, wherever it sits in the dict; only the struct fields themselves are left out."""
+    manifest = _tiny_manifest()
+    module = manifest.modules[0]
+    module.form = form
+    module.tensors[0].param_attrs = attrs
+    again = schema.decode_manifest(schema.encode_manifest(manifest))
+    assert again.modules[0].form == form and again.modules[0].tensors[0].param_attrs == attrs
+    assert again == manifest
+    assert schema.seal_hash(again, "digest") == schema.seal_hash(manifest, "digest")
