@@ -5,6 +5,7 @@
   the private modules ``_constants`` and ``_vllm_compat`` are imported whole, for their public names.
 - No module imports from the package root (``__init__`` is the public face, not a dependency).
 - Every module says what it is for, and ``docs/design.md`` lists it.
+- Every folder's ``__init__`` docstring names every module it holds.
 - No module or folder is named after a standard-library module (run from inside the package folder, a tool's
   ``import inspect`` would get ours).
 
@@ -121,6 +122,22 @@ def test_every_module_has_a_docstring_and_a_place_in_the_design_map():
             assert f"`{shown}" in design, f"docs/design.md does not list {shown}"
 
 
+def test_each_folder_s_docstring_names_every_module_it_holds():
+    """A folder's face says what is in it: each module (and sub-package) as ``name`` or `name.py`."""
+    missing = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        if folder == PACKAGE:
+            continue  # the package root's docstring is its public face, not a map (docs/design.md is)
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        held = [p.stem for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        held += [p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+        unnamed = sorted(n for n in held if f"``{n}``" not in docstring and f"`{n}.py`" not in docstring)
+        if unnamed:
+            missing.append(f"{folder.relative_to(ROOT)}: {', '.join(unnamed)}")
+    assert not missing, "each folder's __init__ docstring must name its modules:\n" + "\n".join(missing)
+
+
 #: Modules whose tests share a file: the package's face and foundations (test_api), and inside a folder,
 #: modules of one subject (every restorer in test_restorers, the four offline checks in test_checks).
 _SHARED_TEST_FILE = {
@@ -176,6 +193,7 @@ def test_the_tests_mirror_the_folders():
         "test_layout.py",
         "test_scripts.py",
         "test_supported_models.py",
+        "test_vllm_release_check.py",
     }
 
 

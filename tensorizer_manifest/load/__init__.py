@@ -2,6 +2,9 @@
 
 ``forms`` (which form each layer loads, chosen before a byte is read), ``restore`` (check the model against
 the manifest, then restore every tensor exactly), ``replay`` (vLLM's step exactly once for raw layers, a
-restorer for processed ones), ``engine_check`` (``validate --engine``: the same checks with no weights read).
+restorer for processed ones), ``engine_check`` (``validate --engine``: the same checks with no weights read),
+``from_base`` (an engine no form set fits, loaded from the layout-free base through the model's own
+``load_weights``), ``compile_placement`` (a compile form used only where its seal and machine kind allow, so a cold
+engine need not compile).
 May import ``checks``, ``restorers``, ``model``, ``storage`` and ``format``; never ``save``.
 """

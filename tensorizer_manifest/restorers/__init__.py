@@ -10,7 +10,15 @@ that covers a layer wins over them. The inventory takes the first restorer
 naming a class in ``handles`` by the same order. Two built-ins may apply to one
 kind of layer only where the later declares the earlier in ``asked_after``,
 with what decides between them; importing the package checks that two which
-name one class in ``handles`` do (``undeclared_overlaps``). Beside them, not
+name one class in ``handles`` do (``undeclared_overlaps``). The built-ins, each
+restoring what one kind of kernel's post-load step made: ``cpu_unquantized_gemm``
+(CPU unquantized linear and embeddings), ``attention_scales`` (attention's
+q/k/v/prob scales), ``cpu_wna16`` (CPU weight-only 4-bit linear), ``cpu_moe``
+(CPU mixture-of-experts, a family of three), ``cpu_fp8_linear`` (CPU block FP8
+linear, AMX); unverified: ``mla_attention`` (MLA's absorbed projections) and, on
+GPUs, ``cuda_wna16`` (Marlin, Machete), ``cuda_fp8_linear`` (FP8 linear),
+``cuda_fused_moe`` (fused-MoE experts) and ``modelopt_nvfp4_linear`` (ModelOpt
+NVFP4 linear; ``docs/kernels.md``). Beside them, not
 imported here: ``base`` (what a restorer is) and ``inventory`` (every vLLM
 kernel class with a post-load step, and which restorer covers it; the
 ``kernels`` command).

@@ -8,6 +8,9 @@
 - ``register()`` is the ``vllm.general_plugins`` entry point; it runs in every
   vLLM process, workers included.
 
+``loaders`` holds the two load formats, ``worker`` the worker extension, ``plugin`` the entry point (which also
+pins a format-3 checkpoint to its current generation before vLLM reads it).
+
 The names vLLM is given (``tensorizer_manifest.vllm_integration:register``, ``WORKER_EXTENSION``) are this
 package's: they stay put whatever moves inside it. Below the CLI, above everything else (it saves and loads);
 every private vLLM name it uses is in ``_vllm_compat``.
