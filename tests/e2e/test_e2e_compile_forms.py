@@ -86,7 +86,7 @@ def _made_elsewhere(forms: list) -> list:
     ]
 
 
-def _on_s3(server, uri: str, work, results: dict, engine_args: list[str]) -> None:
+def _on_s3(server, uri: str, work, engine_args: list[str]) -> dict:
     """The unsigned checkpoint, its form with it, published to S3; there a layout's add-form makes its form set at
     TP=2 (from the base), then add-form --compile that layout's compile form: each over the generation before, the
     forms before carried. Results: what each add-form said, and where the engines read the model's files."""
@@ -101,7 +101,7 @@ def _on_s3(server, uri: str, work, results: dict, engine_args: list[str]) -> Non
     assert layout.returncode == 0, layout.output[-3000:]
     added = _cli("add-form", uri, "--compile", "-tp", "2", "--json", *engine_args, env=env)
     assert added.returncode == 0, added.stderr[-3000:]
-    results["s3"] = {
+    return {
         "uri": uri,
         "add-form": json.loads(added.stdout),
         "typed-layout": layout,
@@ -129,47 +129,62 @@ def _serve(checkpoint, loader: dict, work) -> dict:
     return {"tokens": tokens, "_output": log.read_text()}
 
 
+class _Steps:
+    """The module's steps (saves, add-forms, engines), each run when a test first asks for it (``steps[name]``) and
+    kept: a step that fails fails the tests that need it, each with its error, not every test of the module."""
+
+    def __init__(self, **steps):
+        self._steps, self._done = steps, {}
+
+    def __getitem__(self, name: str):
+        if name not in self._done:
+            try:
+                self._done[name] = (True, self._steps[name]())
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to every test that needs this step
+                self._done[name] = (False, exc)
+        ok, value = self._done[name]
+        if not ok:
+            raise AssertionError(f"the step {name!r} failed: {value}") from value
+        return value
+
+
 @pytest.fixture(scope="module")
 def compiled(scenarios, tmp_path_factory, moto_s3):
     from conftest import run_script
+    from helpers.remote import fresh_prefix
+
+    from tensorizer_manifest.storage.checkpoint import load_generation
 
     work = tmp_path_factory.mktemp("compile-forms")
-    saved, moe = scenarios.e2e("llama"), scenarios.e2e("qwen3-moe")
     key = work / "signing.key"
     key.write_bytes(os.urandom(32))
     engine_args = [a for k, v in SERVING.items() for a in ("--engine-arg", f"{k}={v}")]
     # The signed checkpoint's form is for `vllm serve` (its own batch sizes): the settings COMPILING_SETTINGS give it.
     server_args = [*(a for k, v in SERVING.items() if k != "max_num_seqs" for a in ("--engine-arg", f"{k}={v}")),
                    "--for-server"]  # fmt: skip
-    results: dict = {"eager-reference": [t[:8] for t in saved["reference_tokens"]], "work": work}
-    from tensorizer_manifest.storage.checkpoint import load_generation
+    signed, unsigned = work / "signed", work / "unsigned"
+    trusting = {"trust_compile_forms": True}
 
-    for name, source, keyed, serving in (
-        ("signed", saved, ["--signing-key-file", str(key)], server_args),
-        ("unsigned", moe, [], engine_args),
-    ):
-        checkpoint = work / name
-        env = {"VLLM_CACHE_ROOT": str(work / f"cache-add-form-{name}")}
-        if name == "signed":  # as a person types it: the installed script on a terminal, the summaries for people
-            made = typed("save", source["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
-            assert made.returncode == 0, made.output[-3000:]
-            added = typed("add-form", str(checkpoint), "--compile", *keyed, *serving, env=env)
-            assert added.returncode == 0, added.output[-3000:]
-            results[name] = {"typed": {"save": made, "add-form": added}}
-        else:
-            made = _cli("save", source["model_dir"], str(checkpoint), "--dtype", "bfloat16", *keyed)
-            assert made.returncode == 0, made.stderr[-3000:]
-            added = _cli("add-form", str(checkpoint), "--compile", "--json", *keyed, *serving, env=env)
-            assert added.returncode == 0, added.stderr[-3000:]
-            results[name] = {"add-form": json.loads(added.stdout)}
-        (form,) = load_generation(checkpoint)[0].compile_forms
-        results[name].update(checkpoint=checkpoint, form=form)
-    results["unsigned-form"] = results["unsigned"]["form"]
-    results["server"] = moto_s3
+    def signed_form() -> dict:
+        """The Llama, signed, as a person types it: the installed script on a terminal, the summaries for people."""
+        env = {"VLLM_CACHE_ROOT": str(work / "cache-add-form-signed")}
+        key_args = ["--signing-key-file", str(key)]
+        made = typed("save", scenarios.e2e("llama")["model_dir"], str(signed), "--dtype", "bfloat16", *key_args)
+        assert made.returncode == 0, made.output[-3000:]
+        added = typed("add-form", str(signed), "--compile", *key_args, *server_args, env=env)
+        assert added.returncode == 0, added.output[-3000:]
+        (form,) = load_generation(signed)[0].compile_forms
+        return {"typed": {"save": made, "add-form": added}, "checkpoint": signed, "form": form}
 
-    from helpers.remote import fresh_prefix
-
-    _on_s3(moto_s3, fresh_prefix("compile-forms"), work, results, engine_args)
+    def unsigned_form() -> dict:
+        """The Qwen3 MoE, unsigned, through the CLI's --json."""
+        env = {"VLLM_CACHE_ROOT": str(work / "cache-add-form-unsigned")}
+        made = _cli("save", scenarios.e2e("qwen3-moe")["model_dir"], str(unsigned), "--dtype", "bfloat16")
+        assert made.returncode == 0, made.stderr[-3000:]
+        added = _cli("add-form", str(unsigned), "--compile", "--json", *engine_args, env=env)
+        assert added.returncode == 0, added.stderr[-3000:]
+        (form,) = load_generation(unsigned)[0].compile_forms
+        return {"add-form": json.loads(added.stdout), "checkpoint": unsigned, "form": form}
 
     def run(name: str, model, load_format: str, loader: dict | None = None, *flags: str) -> dict:
         args = [str(model), load_format, *([json.dumps(loader)] if loader is not None else []), *flags]
@@ -177,35 +192,58 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
         return run_script("scenarios/compiled_engine.py", *args, marker="COMPILED_RESULT", env=env, output=True,
                           timeout=1200)  # fmt: skip
 
-    signed, unsigned = work / "signed", work / "unsigned"
-    trusting = {"trust_compile_forms": True}
-    results["cold"] = run("cold", saved["model_dir"], "auto")
-    results["cold-moe"] = run("cold-moe", moe["model_dir"], "auto")
-    results["served-with-key"] = _serve(signed, {"signing_key_file": str(key)}, work)
-    s3 = results["s3"]
-    results["trusted"] = run("trusted", s3["model_dir"], "tensorizer_manifest", {**s3["loader"], **trusting})
-    results["cold-tp2"] = run("cold-tp2", moe["model_dir"], "auto", None, "--tp", "2")
-    results["trusted-tp2"] = run("trusted-tp2", s3["model_dir"], "tensorizer_manifest", {**s3["loader"], **trusting},
-                                 "--tp", "2")  # fmt: skip
-    results["no-key"] = run("no-key", unsigned, "tensorizer_manifest")
-    damaged = work / "damaged"
-    shutil.copytree(unsigned, damaged, symlinks=True)
-    archive = damaged / results["unsigned"]["add-form"]["ranks"][0]["archive"]
-    data = bytearray(archive.read_bytes())
-    data[len(data) // 2] ^= 1  # one byte of one artifact
-    archive.write_bytes(bytes(data))
-    results["damaged"] = run("damaged", damaged, "tensorizer_manifest", trusting)
-    other = work / "other-machine"
-    shutil.copytree(unsigned, other, symlinks=True)
-    _reseal(other, _made_elsewhere)
-    for form in load_generation(other)[0].compile_forms:  # a form that does not fit is never read: take it away
-        (other / form.archive.path).unlink(missing_ok=True)
-    results["other-machine"] = run("other-machine", other, "tensorizer_manifest", trusting)
-    eager = work / "eager"
-    shutil.copytree(signed, eager, symlinks=True)
-    (eager / results["signed"]["form"].archive.path).unlink()  # nor by an eager engine
-    results["eager"] = run("eager", eager, "tensorizer_manifest", {"signing_key_file": str(key)}, "--eager")
-    return results
+    def on_s3() -> dict:
+        steps["unsigned"]  # noqa: B018 - its checkpoint, with its form, is what is published
+        return _on_s3(moto_s3, fresh_prefix("compile-forms"), work, engine_args)
+
+    def damaged_checkpoint():
+        copy = work / "damaged"
+        shutil.copytree(steps["unsigned"]["checkpoint"], copy, symlinks=True)
+        archive = copy / steps["unsigned"]["form"].archive.path
+        data = bytearray(archive.read_bytes())
+        data[len(data) // 2] ^= 1  # one byte of one artifact
+        archive.write_bytes(bytes(data))
+        return copy
+
+    def other_machine() -> dict:
+        other = work / "other-machine"
+        shutil.copytree(steps["unsigned"]["checkpoint"], other, symlinks=True)
+        _reseal(other, _made_elsewhere)
+        for form in load_generation(other)[0].compile_forms:  # a form that does not fit is never read: take it away
+            (other / form.archive.path).unlink(missing_ok=True)
+        return run("other-machine", other, "tensorizer_manifest", trusting)
+
+    def eager() -> dict:
+        copy = work / "eager"
+        shutil.copytree(steps["signed"]["checkpoint"], copy, symlinks=True)
+        (copy / steps["signed"]["form"].archive.path).unlink()  # nor by an eager engine
+        return run("eager", copy, "tensorizer_manifest", {"signing_key_file": str(key)}, "--eager")
+
+    def s3_engine(name: str, *flags: str) -> dict:
+        s3 = steps["s3"]
+        return run(name, s3["model_dir"], "tensorizer_manifest", {**s3["loader"], **trusting}, *flags)
+
+    steps = _Steps(
+        work=lambda: work,
+        server=lambda: moto_s3,
+        signed=signed_form,
+        unsigned=unsigned_form,
+        s3=on_s3,
+        **{"unsigned-form": lambda: steps["unsigned"]["form"]},
+        **{"eager-reference": lambda: [t[:8] for t in scenarios.e2e("llama")["reference_tokens"]]},
+        cold=lambda: run("cold", scenarios.e2e("llama")["model_dir"], "auto"),
+        **{"cold-moe": lambda: run("cold-moe", scenarios.e2e("qwen3-moe")["model_dir"], "auto")},
+        **{"served-with-key": lambda: _serve(steps["signed"]["checkpoint"], {"signing_key_file": str(key)}, work)},
+        trusted=lambda: s3_engine("trusted"),
+        **{"cold-tp2": lambda: run("cold-tp2", scenarios.e2e("qwen3-moe")["model_dir"], "auto", None, "--tp", "2")},
+        **{"trusted-tp2": lambda: s3_engine("trusted-tp2", "--tp", "2")},
+        **{"no-key": lambda: run("no-key", steps["unsigned"]["checkpoint"], "tensorizer_manifest")},
+        **{"damaged-checkpoint": damaged_checkpoint},
+        damaged=lambda: run("damaged", steps["damaged-checkpoint"], "tensorizer_manifest", trusting),
+        **{"other-machine": other_machine},
+        eager=eager,
+    )
+    return steps
 
 
 def _form_lines(result: dict) -> list[str]:
@@ -318,7 +356,7 @@ def test_an_eager_engine_never_reads_the_form(compiled):
 
 
 def test_inspect_lists_the_form_and_validate_checks_every_artifact(compiled):
-    checkpoint, damaged = compiled["unsigned"]["checkpoint"], compiled["work"] / "damaged"
+    checkpoint, damaged = compiled["unsigned"]["checkpoint"], compiled["damaged-checkpoint"]
     shown = _cli("inspect", str(checkpoint))
     assert shown.returncode == 0, shown.stderr[-2000:]
     (line,) = [line for line in shown.stdout.splitlines() if "compile form for" in line]
