@@ -438,6 +438,8 @@ class LocalCheckpoint(_Store):
             return None
 
     def clock(self) -> float:
+        if not self.root.is_dir():  # the file system's clock is read by writing there
+            raise CheckpointNotFoundError(f"{self.root}: no such checkpoint directory")
         scratch = self.root / temporary_name("gc-clock")
         scratch.write_bytes(b"")
         try:

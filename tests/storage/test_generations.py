@@ -233,6 +233,13 @@ def test_gc_of_a_checkpoint_without_a_pointer_is_refused(tmp_path):
         LocalCheckpoint(tmp_path).plan_gc()
 
 
+def test_gc_of_a_directory_that_does_not_exist_is_refused_and_creates_nothing(tmp_path):
+    """Not a FileNotFoundError from the clock's scratch file (the CLI showed it as a traceback)."""
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint directory"):
+        LocalCheckpoint(tmp_path / "none").plan_gc()
+    assert not (tmp_path / "none").exists()
+
+
 def test_a_commit_tried_again_after_a_failure_commits_once_and_another_over_a_new_parent_is_refused(tmp_path):
     """An upload whose pointer write failed (a timeout, a refusal) is tried again: the document it wrote is the
     same bytes, so the commit goes on; a try that did commit is not committed twice. The same generation id
