@@ -71,6 +71,40 @@ _LONGEST_FIRST = (
 )
 
 
+#: Set to 0 to build every C++ kernel with the real compiler (``helpers/cxx_cache.py``).
+CXX_CACHE_ENV = "TM_CXX_CACHE"
+
+
+def pytest_configure(config):
+    """The session's compiler cache (``helpers/cxx_cache.py``), made by the process that starts the session, so
+    that its xdist workers, and every engine they start, inherit it through the environment (``CXX``)."""
+    inherited = os.environ.get("PYTEST_XDIST_WORKER") or "TM_CXX_CACHE_DIR" in os.environ
+    if inherited or os.environ.get(CXX_CACHE_ENV) == "0":
+        return
+    import shutil
+    import tempfile
+
+    real = shutil.which(os.environ.get("CXX", "g++"))
+    if real is None or "clang" in real:  # inductor reads the kind of compiler from its name
+        return
+    cache = Path(tempfile.mkdtemp(prefix="tm-cxx-cache-"))
+    wrapper = cache / "bin" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{TESTS / "helpers" / "cxx_cache.py"}" "$@"\n')
+    wrapper.chmod(0o755)
+    config._tm_cxx_cache = cache
+    os.environ.update({"CXX": str(wrapper), "TM_CXX_REAL": real, "TM_CXX_CACHE_DIR": str(cache / "built")})
+    (cache / "built").mkdir()
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_tm_cxx_cache", None)
+    if cache is not None:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """The order the workers take the modules in (``_LONGEST_FIRST``); a stable sort, so tests keep theirs."""
 

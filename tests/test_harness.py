@@ -1,6 +1,8 @@
 """The test harness's own promises: a scenario forked from the preloaded server (``helpers.preloaded``) is
 the process ``python SCRIPT`` would have been (arguments, environment, directory, stdin, output, exit code),
-a different environment is never forked, and a scenario past its time is killed without losing the server. And the
+a different environment is never forked (vLLM's cache root aside, read only when used), and a scenario past its time
+is killed without losing the server. The session's compiler cache (``helpers.cxx_cache``) keys a compile by what it
+reads and hands back the library the compiler built. And the
 run's summary of hardware gates (``conftest.skip_summary``): each skip counted under the gate its reason names, so
 that a machine's run says what it did not prove."""
 
@@ -55,6 +57,18 @@ def test_a_different_environment_is_never_forked(server):
     assert server.can_run(dict(server.env, TM_ANYTHING="1", PYTEST_CURRENT_TEST="another test"))
     assert not server.can_run(dict(server.env, VLLM_CPU_KVCACHE_SPACE="1"))
     assert not server.can_run({k: v for k, v in server.env.items() if k != "HF_HUB_OFFLINE"})
+    assert server.can_run(dict(server.env, VLLM_CACHE_ROOT="/another/cache"))  # read when used, never at import
+
+
+def test_a_forked_scenario_sees_its_own_vllm_cache_root(server, tmp_path):
+    """The compile-form tests give each engine an empty cache: a forked child must not see the server's."""
+    script = tmp_path / "cache_root.py"
+    script.write_text("import vllm.envs\nprint(vllm.envs.VLLM_CACHE_ROOT)\n")
+    env = _scenario_env({"VLLM_CACHE_ROOT": str(tmp_path / "its-own")})
+    assert server.can_run(env)
+    forked = server.run([str(script)], env, timeout=120)
+    assert forked.returncode == 0, forked.stderr[-2000:]
+    assert forked.stdout.strip() == str(tmp_path / "its-own")
 
 
 def test_a_scenario_past_its_time_is_killed_and_the_server_goes_on(server, tmp_path):
@@ -68,6 +82,57 @@ def test_a_scenario_past_its_time_is_killed_and_the_server_goes_on(server, tmp_p
     script.write_text(SCRIPT)
     assert server.run([str(script), "0"], env, timeout=120).returncode == 0
     assert os.path.exists(server.log)
+
+
+# -- the session's compiler cache ------------------------------------------------------------------------------
+
+
+def test_the_compiler_cache_keys_a_compile_by_what_it_reads_not_where_it_writes(tmp_path):
+    from helpers.cxx_cache import cache_key
+
+    source, header = tmp_path / "a" / "k.cpp", tmp_path / "pch.h"
+    source.parent.mkdir()
+    source.write_text("int f() { return 1; }\n")
+    header.write_text("// header\n")
+    args = [str(source), "-O3", "-shared", "-include", str(header), "-o", str(tmp_path / "a" / "k.so")]
+    key, output = cache_key(args)
+    assert output == str(tmp_path / "a" / "k.so")
+    moved = tmp_path / "b" / "k.cpp"  # the same source under another cache directory
+    moved.parent.mkdir()
+    moved.write_text(source.read_text())
+    assert cache_key([str(moved), *args[1:-1], str(tmp_path / "b" / "k.so")])[0] == key
+    assert cache_key([*args[:1], "-O2", *args[2:]])[0] != key  # another flag
+    header.write_text("// another header\n")
+    assert cache_key(args)[0] != key  # another included file
+    header.write_text("// header\n")
+    source.write_text("int f() { return 2; }\n")
+    assert cache_key(args)[0] != key  # another source
+    assert cache_key(["-x", "c++-header", str(header), "-o", str(tmp_path / "pch.h.gch")]) is None
+    assert cache_key(["--version"]) is None
+
+
+def test_a_compile_answered_from_the_cache_is_the_library_the_compiler_built(tmp_path, monkeypatch):
+    import ctypes
+    import shutil
+
+    from helpers import cxx_cache
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine (inductor needs one too)")
+    monkeypatch.setenv("TM_CXX_CACHE_DIR", str(tmp_path / "built"))
+    monkeypatch.setattr(cxx_cache, "REAL_COMPILER", shutil.which("g++"))
+    (tmp_path / "built").mkdir()
+    libraries = []
+    for run in ("first", "second"):
+        source = tmp_path / run / "k.cpp"
+        source.parent.mkdir()
+        source.write_text('extern "C" int answer() { return 42; }\n')
+        library = tmp_path / run / "k.so"
+        assert cxx_cache.main([str(source), "-shared", "-fPIC", "-o", str(library)]) == 0
+        assert ctypes.CDLL(str(library)).answer() == 42
+        libraries.append(library.read_bytes())
+    assert len(list((tmp_path / "built").iterdir())) == 1  # built once, answered once
+    assert libraries[0] == libraries[1]
 
 
 # -- the hardware gates' summary ------------------------------------------------------------------------------

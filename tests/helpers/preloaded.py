@@ -8,7 +8,8 @@ gpt2 kind: 25 s as a fresh process, 11 s as a forked child (the server's imports
 imported heap is frozen before the first fork (``freeze_the_imported_heap``): vLLM's collections then skip it.
 
 A child is only forked when it would have seen what a fresh process sees: the request's environment equals
-the one the libraries were imported under (``TM_*`` variables aside, which only tests read), so a setting
+the one the libraries were imported under (``TM_*`` variables aside, which only tests read, and
+``_READ_WHEN_USED``, which nothing reads at import), so a setting
 vLLM reads at import time cannot differ. Anything else runs as a fresh process, as before.
 
 Run as a script, this file is the server: JSON requests on stdin, JSON replies on the pipe it was given.
@@ -45,11 +46,14 @@ PRELOAD = (
 #: Variables only the tests read (``TM_*``, and pytest's name for the running test): a request may differ
 #: from the server in these and still be forked.
 _TEST_ONLY = ("TM_", "PYTEST_CURRENT_TEST")
+#: vLLM settings read only where they are used (``vllm.envs`` looks each up when asked, and caches them from the
+#: engine's start on, in the child): the compile-form tests give every engine an empty cache of its own.
+_READ_WHEN_USED = ("VLLM_CACHE_ROOT",)
 
 
 def _same_environment(a: dict[str, str], b: dict[str, str]) -> bool:
     def relevant(env):
-        return {k: v for k, v in env.items() if not k.startswith(_TEST_ONLY)}
+        return {k: v for k, v in env.items() if not k.startswith(_TEST_ONLY) and k not in _READ_WHEN_USED}
 
     return relevant(a) == relevant(b)
 
