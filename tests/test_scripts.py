@@ -43,7 +43,7 @@ def _rel(path: Path) -> str:
 
 def test_the_glob_finds_the_scripts():
     names = {p.name for p in SCRIPTS}
-    assert {"fuzz_long.py", "verify_cpu_kernels.py", "bench_load.py", "bench_manifest.py"} <= names, names
+    assert {"fuzz_long.py", "verify_kernels.py", "bench_load.py", "bench_manifest.py"} <= names, names
     assert set(HEAVY_HELP) <= names, "HEAVY_HELP names a script that is gone"
 
 
@@ -172,3 +172,28 @@ def test_every_import_resolves(script: Path):
 def test_shell_syntax(script: Path):
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_kernel_verification_table_says_each_verdict_and_what_did_not_run():
+    """What a GPU owner pastes back (``scripts/verify_kernels.py --device cuda``): one row per record, one per kind
+    that wrote none, one per CUDA restorer no tiny kind exercises."""
+    spec = importlib.util.spec_from_file_location("verify_kernels", ROOT / "scripts" / "verify_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from tensorizer_manifest.format.verification import VerificationRecord
+
+    def record(restorer: str, result: str, detail: str = "") -> VerificationRecord:
+        return VerificationRecord(restorer=restorer, result=result, device_type="cuda", device_name="NVIDIA H100",
+                                  device_capability="9.0", vllm_version="0.33.0", tensorizer_manifest_version="0.5",
+                                  model="tiny gptq-w4", layers=14, kernel_classes=["MarlinLinearKernel"],
+                                  date="2026-12-07", detail=detail)  # fmt: skip
+
+    shown = script.table([record("cuda_wna16", "pass"), record("attention_scales", "fail", "k_scale | differs")],
+                         {"fp8-tensor": "CUDA out of memory"}, 61.0)  # fmt: skip
+    lines = shown.splitlines()
+    assert lines[0] == "cuda NVIDIA H100 (capability 9.0); vLLM 0.33.0; tensorizer-manifest 0.5"
+    assert "| tiny gptq-w4 | cuda_wna16 | pass | MarlinLinearKernel | 14 |  |" in lines
+    assert "| tiny gptq-w4 | attention_scales | fail | MarlinLinearKernel | 14 | k_scale / differs |" in lines
+    assert "| fp8-tensor | - | did not run | - | - | CUDA out of memory |" in lines
+    assert any(line.startswith("| - | modelopt_nvfp4_linear | not run |") for line in lines)
+    assert lines[-1] == "2 records, 1 kinds that did not run, 61 s"
