@@ -132,3 +132,23 @@ def test_schema_is_the_same_json_on_a_terminal_and_piped():
     assert shown.returncode == written.returncode == 0
     assert json.loads(written.stdout)["$ref"] == "#/$defs/Manifest"
     assert " ".join(written.stdout.split()) == shown.flat
+
+
+@pytest.mark.e2e
+def test_save_to_s3_typed_on_a_terminal_ends_with_its_summary_and_inspect_finds_it(checkpoints, moto_s3):
+    """``save`` straight to S3, as typed: the engine's save, the upload and the pointer's commit, then the summary."""
+    from helpers.remote import fresh_prefix
+
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+
+    model = build_tiny_model(checkpoints["work"] / "tiny-llama", "llama")
+    uri = fresh_prefix("as-typed-save")
+    env = {**moto_s3.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    said = typed("save", str(model), uri, "--dtype", "bfloat16", env=env)
+    assert said.returncode == 0 and "Traceback" not in said.output, said.output[-3000:]
+    assert "committed generation" in said.flat, said.flat[-700:]
+    assert f"load it with: tensorizer-manifest fetch {uri} DIR, then LLM(model=DIR," in said.flat, said.flat[-700:]
+    assert moto_s3.secret not in said.output
+    code, shown = _run("piped", "inspect", uri, env=moto_s3.env())
+    _ended_well(code, shown, moto_s3.secret)
+    assert "LlamaForCausalLM bfloat16" in shown, shown[-3000:]

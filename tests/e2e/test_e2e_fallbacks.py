@@ -9,14 +9,12 @@ is the other machine itself, where this CPU can run what that machine picks.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import kind_param, run_script
+from helpers.terminal import typed
 
 from tensorizer_manifest._vllm_compat import has_amx
 
@@ -157,10 +155,9 @@ def test_without_fallbacks_the_other_machine_refuses_before_reading(scenarios, e
     saved = scenarios.e2e("qwen3-moe")
     out = Path(e2e_dir) / "qwen3-moe-no-fallbacks"
     model_dir = Path(saved["checkpoint"]).parent / "tiny-qwen3-moe"
-    cli = Path(sys.executable).with_name("tensorizer-manifest")
-    in_process = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the flag is the subject, not vLLM's engine
-    subprocess.run([str(cli), "save", str(model_dir), str(out), "--dtype", "bfloat16", "--no-fallbacks"],
-                   check=True, capture_output=True, timeout=600, env=in_process)  # fmt: skip
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the flag is the subject, not vLLM's engine
+    said = typed("save", str(model_dir), str(out), "--dtype", "bfloat16", "--no-fallbacks", env=in_process)
+    assert said.returncode == 0 and "committed generation" in said.flat, said.output[-3000:]  # as typed
     result = run_script("scenarios/other_machine.py", str(out), marker="OTHER_MACHINE_RESULT")
     assert result["error"] == "CompatibilityError", result
     assert "saved processed in the layout" in result["message"] and "--portable" in result["message"]
