@@ -12,9 +12,11 @@ from ..errors import TensorizerManifestError
 from .output import console, fail, json_dumps
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
+    PARALLEL_SIZES,
     PATH,
     ModelOptionsCommand,
     Spelled,
+    json_option,
     options_of,
     parse_engine_args,
     remote_options,
@@ -33,15 +35,14 @@ def _add_form_options() -> type:
     model=_add_form_options,
     options=[
         click.Option(["--engine-arg", "engine_arg"], multiple=True, metavar="KEY=VALUE", help="As for save."),
-        Spelled("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
-        Spelled("pipeline_parallel_size", ("--pipeline-parallel-size", "-pp")),
+        *PARALLEL_SIZES,
         Spelled("signing_key_file", type=PATH),
         Spelled("encryption_key_file", ENCRYPTION_KEY_NAMES, type=PATH),
         *options_of(remote_options),
         "allow_unconditional_writes",
         "compile",
         "for_server",
-        click.Option(["--json", "json"], is_flag=True, help="Machine-readable output."),
+        *options_of(json_option),
     ],
     api_only=["engine_args"],
 )

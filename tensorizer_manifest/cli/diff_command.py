@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, fail
-from .parameters import location_of, remote_from, remote_options
+from .output import console, fail, write_json
+from .parameters import json_option, location_of, remote_from, remote_options
 
 
 @click.command()
 @click.argument("a")
 @click.argument("b")
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@json_option
 @remote_options
 def diff(a: str, b: str, json: bool, **remote) -> None:
     """What differs between two checkpoints (directories, manifest files or URIs); exit 0 when they are the
     same, 1 when they differ."""
-    import msgspec
-
     from ..storage.checkpoint import load_manifest
     from .diff import diff_manifests
 
@@ -32,7 +28,7 @@ def diff(a: str, b: str, json: bool, **remote) -> None:
         fail(exc)
     result = diff_manifests(ma, mb)
     if json:
-        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.to_dict()), indent=2) + b"\n")
+        write_json(result.to_dict())
     else:
         if result.same:
             console().print("the checkpoints describe the same model, layers and tensors")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..errors import TensorizerManifestError
-from .output import console, err_console, fail, json_dumps
+from ..errors import ConfigurationError, TensorizerManifestError
+from .output import console, fail, json_dumps
 from .parameters import PATH, remote_from, remote_options
 
 
@@ -25,8 +25,7 @@ def fetch(uri: str, cache_dir: Path, **remote) -> None:
     from ..storage.remote_checkpoint import fetch_model_files
 
     if not is_remote(uri):
-        err_console().print(f"[red]error:[/red] {uri}: not an s3:// or http(s):// URI", highlight=False)
-        raise SystemExit(2)
+        fail(ConfigurationError(f"{uri}: not an s3:// or http(s):// URI"))
     try:
         target = fetch_model_files(uri, cache_dir, remote_from(**remote))
     except TensorizerManifestError as exc:

@@ -9,7 +9,7 @@ import click
 
 from ..errors import ConfigurationError, TensorizerManifestError
 from .output import console, fail, json_dumps
-from .parameters import location_of, remote_from, remote_options
+from .parameters import json_option, location_of, remote_from, remote_options
 
 
 @click.command()
@@ -38,7 +38,7 @@ from .parameters import location_of, remote_from, remote_options
     "CHECKPOINT/generations/<id>). Repeatable.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@json_option
 @remote_options
 def gc(checkpoint: str, grace: float, orphan_grace: float, keep: tuple[str, ...], dry_run: bool, json: bool,
        **remote) -> None:  # fmt: skip

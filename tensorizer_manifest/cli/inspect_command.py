@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ..errors import TensorizerManifestError
 from .output import console, fail
-from .parameters import location_of, remote_from, remote_options
+from .parameters import json_option, location_of, remote_from, remote_options
+
+if TYPE_CHECKING:
+    from ..storage.remote import RemoteOptions
 
 
 @click.command()
 @click.argument("location")
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@json_option
 @remote_options
 def inspect(location: str, json: bool, **remote) -> None:
     """One row per layer: class, quant method, kernel, raw or processed, tensors, bytes, runtime state.
@@ -26,16 +30,16 @@ def inspect(location: str, json: bool, **remote) -> None:
     from ..storage.checkpoint import load_manifest
     from .summary import as_json, render
 
-    path = location_of(location)
+    path, options = location_of(location), remote_from(**remote)
     try:
-        manifest, manifest_path = load_manifest(path, remote=remote_from(**remote))
+        manifest, manifest_path = load_manifest(path, remote=options)
     except TensorizerManifestError as exc:
         fail(exc)
     if json:
         sys.stdout.buffer.write(as_json(manifest) + b"\n")
     else:
         render(manifest, str(manifest_path), console())
-        _say_generation(path, remote)
+        _say_generation(path, options)
         if not isinstance(path, Path) or not isinstance(manifest_path, Path):
             return
         others = sorted(
@@ -76,12 +80,12 @@ def _processed_layers(root, generation, form_set, remote) -> str:
     )
 
 
-def _say_generation(path, remote: dict) -> None:
+def _say_generation(path, remote: RemoteOptions) -> None:
     """For a checkpoint of format version 3: which generation was shown, what it holds, where its layers are
     processed (each form set: a layout on one machine kind and vLLM) and whether a base serves other layouts."""
     from ..storage.checkpoint import checkpoint_root, load_base, load_generation
 
-    root = checkpoint_root(path, remote_from(**remote))
+    root = checkpoint_root(path, remote)
     found = None if root is None else load_generation(root)
     if found is None:
         return
@@ -96,7 +100,7 @@ def _say_generation(path, remote: dict) -> None:
         fingerprint = form_set.fingerprint
         features = " ".join(fingerprint.cpu_features)
         machine = f"{fingerprint.device_type} [{features}]" if features else fingerprint.device_type
-        layers = _processed_layers(root, generation, form_set, remote_from(**remote))
+        layers = _processed_layers(root, generation, form_set, remote)
         console().print(
             f"  processed for tp={form_set.layout.tp} pp={form_set.layout.pp} on {machine}, vLLM "
             f"{fingerprint.vllm_version}, {fingerprint.dtype}: {layers}",

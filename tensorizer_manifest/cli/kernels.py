@@ -6,25 +6,24 @@ import sys
 
 import click
 
-from .output import console
+from .output import console, write_json
+from .parameters import json_option
 
 
 @click.command()
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.option("--markdown", is_flag=True, help="The table as Markdown (docs/kernels-inventory.md).")
 @click.option("--all", "show_all", is_flag=True, help="Also classes with no post-load step.")
 def kernels(json: bool, markdown: bool, show_all: bool) -> None:
     """Every vLLM class with a post-load step in the installed vLLM, with its strategy (our restorer, vLLM's
     pre-processed branch, raw only) and verification status."""
-    import msgspec
-
     from ..restorers.inventory import STRATEGY_NONE, build_inventory, to_markdown
 
     inventory = build_inventory()
     if not show_all:
         inventory.entries = [e for e in inventory.entries if e.strategy != STRATEGY_NONE]
     if json:
-        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(inventory.to_dict()), indent=2) + b"\n")
+        write_json(inventory.to_dict())
         return
     if markdown:
         sys.stdout.write(to_markdown(inventory))

@@ -39,6 +39,13 @@ def fail(exc: BaseException) -> NoReturn:
     raise SystemExit(2 if isinstance(exc, ConfigurationError) else 1)
 
 
+def write_json(value: object) -> None:
+    """A report for tools on stdout: msgspec's JSON, indented, and nothing else."""
+    import msgspec
+
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
+
+
 def json_dumps(value: object) -> str:
     """``json.dumps``, for commands whose ``--json`` flag hides the module's name."""
     import json

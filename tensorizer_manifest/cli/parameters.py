@@ -57,6 +57,10 @@ def encryption_key_option(help_text: str):
     return click.option(*ENCRYPTION_KEY_NAMES, "encryption_key_file", type=PATH, default=None, help=help_text)
 
 
+#: ``--json``, as most commands take it.
+json_option = click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+
+
 def parse_engine_args(items: tuple[str, ...]) -> dict:
     """``KEY=VALUE`` pairs as vLLM keyword arguments: JSON values where they parse, strings otherwise."""
     import json
@@ -95,6 +99,13 @@ class Spelled:
     """The option's names (with short ones), instead of ``--kebab-name``."""
     type: Any = None
     """The click type, instead of the one the field's annotation gives."""
+
+
+#: The layout sizes as vLLM's command line spells them (``-tp``, ``-pp``).
+PARALLEL_SIZES = (
+    Spelled("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
+    Spelled("pipeline_parallel_size", ("--pipeline-parallel-size", "-pp")),
+)
 
 
 def _choice_of(annotation: Any) -> tuple[Any, ...] | None:

@@ -9,9 +9,10 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, err_console, fail
+from .output import console, fail
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
+    PARALLEL_SIZES,
     PATH,
     ModelOptionsCommand,
     Spelled,
@@ -33,8 +34,7 @@ def _save_options() -> type:
     options=[
         "dtype",
         "quantization",
-        Spelled("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
-        Spelled("pipeline_parallel_size", ("--pipeline-parallel-size", "-pp")),
+        *PARALLEL_SIZES,
         "max_model_len",
         "revision",
         "trust_remote_code",
@@ -75,7 +75,6 @@ def save(
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json). OUT is a directory or s3://bucket/prefix (uploaded tensors first, manifests last)."""
-    from ..errors import ConfigurationError
     from ..progress import interactive
     from ..save.from_source import save_checkpoint
 
@@ -86,9 +85,6 @@ def save(
         engine_args["enable_expert_parallel"] = True
     try:
         result = save_checkpoint(src, out, **options, engine_args=engine_args, progress=interactive())
-    except ConfigurationError as exc:
-        err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise SystemExit(2) from None
     except TensorizerManifestError as exc:
         fail(exc)
     for rank in result.ranks:

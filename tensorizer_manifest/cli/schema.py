@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
+
+from .output import write_json
 
 
 @click.command()
 def schema() -> None:
     """Print the manifest's JSON Schema (generated from the types)."""
-    import msgspec
-
     from ..format.schema import json_schema
 
-    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2) + b"\n")
+    write_json(json_schema())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .output import console, err_console
+from .output import console, err_console, write_json
 from .parameters import PATH, encryption_key_option, location_of, remote_from, remote_options
 
 
@@ -60,8 +60,6 @@ def validate(
 
     LOCATION is a checkpoint directory, a manifest file, or an s3:// or http(s):// URI of either; a remote
     tensor file is checked with ranged reads, and its content hashes as it streams."""
-    import msgspec
-
     from ..checks.validate import check_engine_settings, validate_checkpoint
     from ..progress import terminal_progress
 
@@ -96,7 +94,7 @@ def validate(
         doc = report.to_dict()
         doc["ok"] = not problems
         doc["problems"] = [p.to_dict() for p in problems]
-        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
+        write_json(doc)
     else:
         for problem in problems:
             err_console().print(f"[red]{problem.kind.__name__}[/red] {problem}", highlight=False, soft_wrap=True)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, fail
-from .parameters import PATH, parse_engine_args
+from .output import console, fail, write_json
+from .parameters import PATH, json_option, parse_engine_args
 
 
 @click.command("verify-kernels")
@@ -23,7 +22,7 @@ from .parameters import PATH, parse_engine_args
 @click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="As for save.")
 @click.option("--record-out", type=PATH, default=None, help="Write the verification records (JSON) here.")
 @click.option("--install", is_flag=True, help="Add passing records to your verified set (see `kernels`).")
-@click.option("--json", "json", is_flag=True, help="Machine-readable output.")
+@json_option
 def verify_kernels(
     model: str,
     work_dir: Path | None,
@@ -41,8 +40,6 @@ def verify_kernels(
     every restorer passed."""
     import datetime
     import tempfile
-
-    import msgspec
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
     from ..format.verification import user_records_dir, write_records
@@ -66,7 +63,7 @@ def verify_kernels(
         stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
         write_records(passing, user_records_dir() / f"{stamp}-{Path(model).name}.json")
     if json:
-        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result.records), indent=2) + b"\n")
+        write_json(result.records)
     else:
         for r in result.records:
             colour = "green" if r.result == "pass" else "red"
