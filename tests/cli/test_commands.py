@@ -452,6 +452,12 @@ def test_add_form_options_are_the_models_fields(monkeypatch):
     assert handed == {**AddFormOptions().model_dump(), "encryption_key_file": "k"}
 
 
+def test_schema_prints_the_published_schema_without_pydantic_or_torch():
+    """``make schema`` writes ``schemas/manifest-v2.schema.json`` with it."""
+    proc = run_importing_none_of(["schema"], ("pydantic", "torch", "vllm"))
+    assert proc.stdout == (Path(__file__).resolve().parents[2] / "schemas" / "manifest-v2.schema.json").read_text()
+
+
 def test_the_light_commands_import_no_option_model():
     """The options of ``save`` and ``add-form`` are made when those commands run: ``inspect`` and ``--help``
     import neither pydantic nor torch for them, and ``save --help`` no torch."""
