@@ -149,6 +149,13 @@ _SHARED_TEST_FILE = {
         f"tensorizer_manifest.checks.{name}": "checks/test_checks"
         for name in ("report", "seal", "records", "tensor_files")
     },
+    # A command's module is tested by running the command as a user does: in test_commands (one file, whose
+    # end-to-end tests the workers schedule as one), or beside the module it runs, whose tests run it too.
+    **{
+        f"tensorizer_manifest.cli.{name}": "cli/test_commands"
+        for name in ("save", "add_form", "inspect_command", "validate", "fetch", "gc_command", "kernels", "schema")
+    },
+    **{f"tensorizer_manifest.cli.{name}_command": f"cli/test_{name}" for name in ("diff", "demo", "verify_kernels")},
 }
 
 

@@ -61,7 +61,7 @@ def test_inspect_imports_neither_torch_nor_vllm(scenarios):
 def run_importing_none_of(args: list[str], packages: tuple[str, ...]) -> subprocess.CompletedProcess:
     """The command ``args`` in a fresh interpreter, which imports no module of ``packages`` (asserted there)."""
     code = (
-        "import sys\nfrom tensorizer_manifest.cli.commands import app\n"
+        "import sys\nfrom tensorizer_manifest.cli import app\n"
         f"try:\n    app({args!r})\nexcept SystemExit:\n    pass\n"
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})\n"
         "assert not bad, bad\n"
@@ -133,23 +133,6 @@ def test_save_with_a_bad_option_is_a_usage_error(tmp_path):
     proc = subprocess.run([*CLI, "save", str(src), str(tmp_path / "out"), "-tp", "0"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_engine_args_are_read_as_vllm_serve_would():
-    import click
-
-    from tensorizer_manifest.cli.commands import parse_engine_args
-
-    assert parse_engine_args(("max-num-seqs=4", "enable_prefix_caching=false", "kv_cache_dtype=fp8")) == {
-        "max_num_seqs": 4,
-        "enable_prefix_caching": False,
-        "kv_cache_dtype": "fp8",
-    }
-    assert parse_engine_args(('override_generation_config={"temperature": 0.5}',)) == {
-        "override_generation_config": {"temperature": 0.5}
-    }
-    with pytest.raises(click.BadParameter, match="not KEY=VALUE"):
-        parse_engine_args(("max_num_seqs",))
 
 
 @pytest.mark.e2e
@@ -411,7 +394,7 @@ def _handed_on(monkeypatch, module, function: str, args: list[str]) -> dict:
     """The keyword arguments a command hands ``module.function`` for ``args`` (stopped there: no engine)."""
     from click.testing import CliRunner
 
-    from tensorizer_manifest.cli.commands import app
+    from tensorizer_manifest.cli import app
     from tensorizer_manifest.errors import ConfigurationError
 
     seen: dict = {}
@@ -429,7 +412,7 @@ def _handed_on(monkeypatch, module, function: str, args: list[str]) -> dict:
 def test_save_options_are_the_models_fields_as_today(monkeypatch, tmp_path):
     """``save``'s options are made from ``SaveOptions``: each field's default, type and description, under the
     spellings the command always had; what reaches ``save_checkpoint`` is what the model takes."""
-    from tensorizer_manifest.cli.commands import app
+    from tensorizer_manifest.cli import app
     from tensorizer_manifest.save import from_source
     from tensorizer_manifest.save.from_source import SaveOptions
 
@@ -469,21 +452,10 @@ def test_add_form_options_are_the_models_fields(monkeypatch):
     assert handed == {**AddFormOptions().model_dump(), "encryption_key_file": "k"}
 
 
-def test_a_model_field_with_no_option_is_caught_when_the_command_is_made():
-    import click
-    from pydantic import BaseModel
-
-    from tensorizer_manifest.cli.commands import ModelOptionsCommand
-
-    class Options(BaseModel):
-        shown: int = 1
-        forgotten: bool = False
-
-    command = ModelOptionsCommand("c", callback=lambda **_: None, model=lambda: Options, options=["shown"])
-    with pytest.raises(RuntimeError, match="forgotten"):
-        command.params  # noqa: B018
-    listed = ModelOptionsCommand("c", model=lambda: Options, options=["shown"], api_only=["forgotten"])
-    assert [p.opts for p in listed.params if isinstance(p, click.Option)] == [["--shown"]]
+def test_schema_prints_the_published_schema_without_pydantic_or_torch():
+    """``make schema`` writes ``schemas/manifest-v2.schema.json`` with it."""
+    proc = run_importing_none_of(["schema"], ("pydantic", "torch", "vllm"))
+    assert proc.stdout == (Path(__file__).resolve().parents[2] / "schemas" / "manifest-v2.schema.json").read_text()
 
 
 def test_the_light_commands_import_no_option_model():

@@ -30,7 +30,7 @@ from ...errors import ConfigurationError
 CREDENTIAL_OPTIONS = frozenset({"s3_access_key_id", "s3_secret_access_key"})
 
 #: The S3 options' help, declared once: the option models' descriptions (``storage.options.S3Options``) and the
-#: light commands' ``--s3-*`` options (``cli.commands.remote_options``), which must not import pydantic.
+#: light commands' ``--s3-*`` options (``cli.parameters.remote_options``), which must not import pydantic.
 S3_OPTIONS_HELP = {
     "s3_access_key_id": "S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",
     "s3_secret_access_key": "S3 secret access key (else ~/.s3cfg, else $AWS_SECRET_ACCESS_KEY; prefer those: "

@@ -1,0 +1,53 @@
+"""What the commands print: the consoles, a known error as one line, JSON for tools.
+
+A known error (``TensorizerManifestError``) is one red line and exit code 1, 2 for a mistake in how the command
+was called (as click's own usage errors); never a traceback. rich is imported on first use: ``inspect --json``
+and ``schema`` never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import NoReturn
+
+# Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
+_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
+
+
+@functools.cache
+def console():
+    """rich, imported on first use: `inspect --json` and `schema` never pay for it."""
+    from rich.console import Console
+
+    return Console(width=_WIDTH)
+
+
+@functools.cache
+def err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, width=_WIDTH)
+
+
+def fail(exc: BaseException) -> NoReturn:
+    """One red line; exit 2 for a mistake in how the command was called, 1 otherwise."""
+    from ..errors import ConfigurationError
+
+    err_console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    raise SystemExit(2 if isinstance(exc, ConfigurationError) else 1)
+
+
+def write_json(value: object) -> None:
+    """A report for tools on stdout: msgspec's JSON, indented, and nothing else."""
+    import msgspec
+
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
+
+
+def json_dumps(value: object) -> str:
+    """``json.dumps``, for commands whose ``--json`` flag hides the module's name."""
+    import json
+
+    return json.dumps(value)
