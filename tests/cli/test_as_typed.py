@@ -78,13 +78,17 @@ def test_inspect_validate_and_diff_end_with_their_summaries(checkpoints, where, 
     assert json.loads(said)["same"] is True if how == "json" else "describe the same model" in said
 
 
-@pytest.mark.parametrize("how", ["terminal", "piped"])
+@pytest.mark.parametrize("how", HOW)
 def test_fetch_from_s3_ends_with_the_load_command(checkpoints, how):
     into = checkpoints["work"] / f"fetched-{how}"
     code, said = _run(how, "fetch", checkpoints["s3"]["checkpoint"], str(into), env=checkpoints["s3"]["env"])
     _ended_well(code, said, checkpoints["secret"])
     assert (into / "config.json").is_file()
-    if how != "json":
+    if how == "json":
+        report = json.loads(said)
+        assert report["files"] == sorted(p.name for p in into.iterdir()) and report["model"] == str(into)
+        assert report["model_loader_extra_config"] == {"checkpoint_dir": checkpoints["s3"]["checkpoint"]}
+    else:
         assert "--load-format tensorizer_manifest" in said, said[-3000:]
 
 
@@ -120,7 +124,7 @@ def test_what_cannot_be_done_is_one_error_line_and_its_exit_code(checkpoints, ho
         (("fetch", local, str(checkpoints["work"] / "x")), 2, "not an s3:// or http(s):// URI"),
         (("validate", local, "--no-such-option"), 2, "No such option"),
     ]
-    for args, exit_code, why in cases if how != "json" else [c for c in cases if c[0][0] != "fetch"]:
+    for args, exit_code, why in cases:
         code, said = _run(how, *args, env={})
         assert code == exit_code and why in said, (args, code, said[-2000:])
         assert "Traceback" not in said, said[-3000:]
