@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..errors import IntegrityError, ManifestError, ManifestVersionError
+from ..errors import IntegrityError, ManifestError
 from .schema import (
     ContentHash,
     EncryptionKey,
@@ -32,6 +32,8 @@ from .schema import (
     TensorFileRef,
     TensorRecord,
     blake3_hex,
+    format_version_of,
+    refuse_a_newer_format,
     seal_mode,
     sealed_hash_of,
 )
@@ -265,12 +267,6 @@ _generation_decoder = msgspec.json.Decoder(Generation)
 _base_decoder = msgspec.json.Decoder(BaseDocument)
 
 
-class _Version(msgspec.Struct, gc=False):
-    format_version: object = None
-
-
-_version_decoder = msgspec.json.Decoder(_Version)
-
 #: The seal's header: what it covers is a version-3 document (a version-2 manifest's seal starts ``seal v1``).
 _SEAL_HEAD = "tensorizer-manifest seal v3 {mode}\n"
 
@@ -372,29 +368,15 @@ def _decode(decoder: msgspec.json.Decoder, data: bytes, source: str, what: str):
     try:
         document = decoder.decode(data)
     except msgspec.ValidationError as exc:
-        _refuse_a_newer_format(_version_of(data), source)
+        refuse_a_newer_format(format_version_of(data), source, GENERATIONS_FORMAT_VERSION, "format version")
         raise ManifestError(f"{source}: {exc}; the {what} is damaged or was edited by hand") from None
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the {what} is damaged") from None
     except RecursionError:
         raise ManifestError(f"{source}: JSON nested too deeply to be a {what}") from None
-    _refuse_a_newer_format(document.format_version, source)  # a newer version whose fields this one knows
+    # A newer version whose fields this one knows.
+    refuse_a_newer_format(document.format_version, source, GENERATIONS_FORMAT_VERSION, "format version")
     return document
-
-
-def _version_of(data: bytes) -> object:
-    try:
-        return _version_decoder.decode(data).format_version
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        return None
-
-
-def _refuse_a_newer_format(version: object, source: str) -> None:
-    if isinstance(version, int) and not isinstance(version, bool) and version > GENERATIONS_FORMAT_VERSION:
-        raise ManifestVersionError(
-            f"{source}: format version {version} is newer than the version {GENERATIONS_FORMAT_VERSION} this "
-            "tensorizer-manifest reads; upgrade tensorizer-manifest"
-        )
 
 
 def is_generation_id(text: str) -> bool:

@@ -600,7 +600,7 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
     try:
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        _refuse_a_newer_format(_format_version_of(data), source)
+        refuse_a_newer_format(format_version_of(data), source)
         manifest = _decode_forms_one_by_one(data)
         if manifest is None:
             raise ManifestError(
@@ -610,7 +610,7 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
     except RecursionError:
         raise ManifestError(f"{source}: JSON nested too deeply to be a manifest") from None
-    _refuse_a_newer_format(manifest.format_version, source)
+    refuse_a_newer_format(manifest.format_version, source)
     return manifest
 
 
@@ -633,19 +633,25 @@ def _decode_forms_one_by_one(data: bytes) -> Manifest | None:
     return Manifest(**{**fields, "added_forms": forms})
 
 
-def _format_version_of(data: bytes) -> object:
-    """The document's ``format_version`` alone, None where it has none or is not a JSON object."""
+def format_version_of(data: bytes) -> object:
+    """The document's ``format_version`` alone, None where it has none or is not a JSON object (a manifest, a
+    pointer or a generation alike: read before the rest, so that a newer format is refused as such)."""
     try:
         return _header_decoder.decode(data).format_version
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None
 
 
-def _refuse_a_newer_format(version: object, source: str) -> None:
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+def refuse_a_newer_format(
+    version: object, source: str, readable: int = FORMAT_VERSION, kind: str = "manifest format version"
+) -> None:
+    """``ManifestVersionError`` for a document that a newer tensorizer-manifest wrote: its ``format_version`` above
+    the newest this one reads (``readable``: a manifest's by default, a pointer's and a generation's in
+    ``generation``)."""
+    if isinstance(version, int) and not isinstance(version, bool) and version > readable:
         raise ManifestVersionError(
-            f"{source}: manifest format version {version} is newer than the version "
-            f"{FORMAT_VERSION} this tensorizer-manifest reads; upgrade tensorizer-manifest"
+            f"{source}: {kind} {version} is newer than the version {readable} this tensorizer-manifest reads; "
+            "upgrade tensorizer-manifest"
         )
 
 
