@@ -1147,6 +1147,15 @@ def own_post_load_hooks(model: Any) -> list[str]:
     return found
 
 
+def run_own_post_load_hooks(model: Any) -> list[str]:
+    """Run the hooks of ``own_post_load_hooks`` as vLLM's post-load step does, in its order (after the layers'
+    steps; children first), where every layer got vLLM's own step (a load through the base); their paths."""
+    hooks = own_post_load_hooks(model)
+    for path in hooks:
+        model.get_submodule(path).process_weights_after_loading()
+    return hooks
+
+
 # --- the engine, from the process that starts it ---------------------------------------------------
 
 

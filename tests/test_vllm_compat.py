@@ -584,12 +584,12 @@ def test_a_quant_method_step_runs_as_vllms_loader_runs_it(staged):
     assert calls == (["shared experts"] if staged else []) + ["step", "tp status"]
 
 
-def _model_with_hooks():
+def _model_with_hooks(ran: list[str]):
     import torch
 
     class Hooked(torch.nn.Module):
         def process_weights_after_loading(self):
-            pass
+            ran.append(type(self).__name__)
 
     model = torch.nn.Module()
     model.block = torch.nn.Module()
@@ -616,7 +616,8 @@ def test_the_modules_whose_own_hook_vllm_runs(monkeypatch, finalizes):
         )
     else:
         monkeypatch.delattr(weight_utils, "finalize_model_weights", raising=False)
-    model = _model_with_hooks()
+    ran: list[str] = []
+    model = _model_with_hooks(ran)
     monkeypatch.setattr(QuantizeMethodBase, "__abstractmethods__", frozenset())
     model.quantized.quant_method = QuantizeMethodBase()  # vLLM leaves a quantized layer's submodules to its method
     assert _vllm_compat.own_post_load_hooks(model) == (["block.hooked"] if finalizes else [])
@@ -625,5 +626,8 @@ def test_the_modules_whose_own_hook_vllm_runs(monkeypatch, finalizes):
             refuse_model_level_hook(model)
     else:
         refuse_model_level_hook(model)  # 0.31-0.33 never call a submodule's own hook
-    model.process_weights_after_loading = lambda: None
+    model.process_weights_after_loading = lambda: ran.append("the model")
     assert _vllm_compat.own_post_load_hooks(model) == (["block.hooked", ""] if finalizes else [""])
+    # A load through the base, where every layer got vLLM's own step, runs them as vLLM does.
+    assert _vllm_compat.run_own_post_load_hooks(model) == _vllm_compat.own_post_load_hooks(model)
+    assert ran == (["Hooked", "the model"] if finalizes else ["the model"])
