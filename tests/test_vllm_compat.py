@@ -296,7 +296,8 @@ def test_every_vllm_name_is_in_each_read_checked_release_s_sources(release):
 @pytest.mark.parametrize(
     ("version", "status"),
     [("0.31.0", "run"), ("0.32.0", "run"), ("0.32.1.dev4+gabc", "run"), ("0.33.0", "read-checked"),
-     ("0.33.2rc1", "read-checked"), ("0.34.0", None), ("0.30.1", None), ("1.0.0", None)],
+     ("0.33.2rc1", "read-checked"), ("0.34.0", "read-checked"), ("0.35.0", None), ("0.30.1", None),
+     ("1.0.0", None)],
 )  # fmt: skip
 def test_a_release_is_run_read_checked_or_refused_naming_it_and_what_to_do(version, status):
     from tensorizer_manifest.errors import UnsupportedVLLMError
