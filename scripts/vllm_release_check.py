@@ -6,11 +6,11 @@
 vLLM does not promise its private names across releases, and a release may move a public one too. Running
 the test suite against a release needs that release installed (and, for the CUDA-only ones, a GPU); this check
 needs neither: it downloads the release's wheel once (into ``build/vllm-wheels/VERSION``) and reads its ``.py``
-members with ``ast``, never importing vLLM. It checks ``_vllm_compat.PRIVATE_NAMES`` (the name, and that the
-callable still takes the parameters this package passes it) and every ``import vllm...`` /
-``from vllm... import`` in ``tensorizer_manifest/`` (each module and each name, re-exports followed).
-``check_names`` reads an installed vLLM's source tree the same way (the tests check that its answers there are the
-import-time check's).
+members with ``ast``, never importing vLLM. It checks every entry of ``_vllm_compat.NAMES``, the one table of the
+vLLM names the package uses (no other module imports vLLM: an import-linter contract; a test holds the table to
+``_vllm_compat``'s code): the module (the first of its places that has it), the name (re-exports followed, a class's
+bases too), and that a callable still fits one of the parameter lists it is called with. ``check_names`` reads an
+installed vLLM's source tree the same way (the tests check that its answers there are the import-time check's).
 
 Exit status: 0 when nothing is missing or changed, 1 otherwise, 2 when the wheel cannot be had.
 """
@@ -271,12 +271,55 @@ class Resolver:
         return [DefinitionTarget(module, node)]
 
     def attribute(self, target: Target, name: str, hops: int = 0) -> list[Target]:
-        """What ``target.name`` may be: a module's name, or a class's (its body, then its bases within vLLM)."""
+        """What ``target.name`` may be: a module's name, a class's (its body, then its bases within vLLM), or, for a
+        name bound with an annotation (``current_platform: Platform``), the annotation's class's."""
         if isinstance(target, ModuleTarget):
             return self.name_in_module(target.module, name, hops)
         if isinstance(target, DefinitionTarget) and isinstance(target.node, ast.ClassDef):
             return self.class_attribute(target, name, hops)
+        if isinstance(target, DefinitionTarget) and isinstance(target.node, ast.AnnAssign) and hops <= MAX_HOPS:
+            annotation = target.node.annotation
+            if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+                annotation = ast.parse(annotation.value, mode="eval").body
+            dotted = ast.unparse(annotation)
+            if not all(part.isidentifier() for part in dotted.split(".")):
+                return []  # a union, a generic: no one class to look in
+            classes = self.resolve(target.module, dotted, hops + 1)
+            return [f for c in classes if isinstance(c, DefinitionTarget) for f in self.attribute(c, name, hops + 1)]
         return []
+
+    def instance_attribute(self, target: DefinitionTarget, name: str, hops: int = 0) -> list[Target]:
+        """Where a class (or one of its bases within vLLM) sets ``self.name`` in a method, or binds ``name`` in its
+        body: what its instances have that the class statement alone does not show."""
+        assert isinstance(target.node, ast.ClassDef)
+        found = [DefinitionTarget(target.module, node) for node in _bindings(target.node.body, name, False)]
+        for node in ast.walk(target.node):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr == name
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                found.append(DefinitionTarget(target.module, node))
+                break
+        if found or hops > MAX_HOPS:
+            return found
+        for base in self.bases(target, hops):
+            found += self.instance_attribute(base, name, hops + 1)
+            if found:
+                break
+        return found
+
+    def names_flag(self, module: str, name: str) -> bool:
+        """Whether ``module``'s source names ``name`` as an attribute (``x.name``) or a string (``getattr(x,
+        "name")``): a flag vLLM sets or reads on objects that are not its own."""
+        tree = self.sources.tree(module)
+        return tree is not None and any(
+            (isinstance(node, ast.Attribute) and node.attr == name)
+            or (isinstance(node, ast.Constant) and node.value == name)
+            for node in ast.walk(tree)
+        )
 
     def class_attribute(self, target: DefinitionTarget, name: str, hops: int = 0) -> list[Target]:
         assert isinstance(target.node, ast.ClassDef)
@@ -321,18 +364,34 @@ class Resolver:
 
 @dataclass(frozen=True)
 class Wanted:
-    """One name this package relies on: ``module`` (and ``attr`` in it, dotted; empty for the module itself)."""
+    """One name this package relies on: ``module`` (and ``attr`` in it, dotted; empty for the module itself), as
+    ``_vllm_compat.VllmName`` declares it: ``Class().name`` an attribute its instances set, ``*.name`` a flag the
+    module's source names. ``older_modules``: where releases before the newest read have it, tried after ``module``;
+    ``other_calls``: parameter lists beside ``parameters`` that the package calls it with (another release's shape);
+    ``optional``: older releases lack it, and the package does without it there."""
 
-    kind: str  # "private name" or "import"
+    kind: str  # "public" or "private"
     module: str
     attr: str = ""
     parameters: tuple[str, ...] = ()
-    used_in: tuple[str, ...] = ()
+    older_modules: tuple[str, ...] = ()
+    other_calls: tuple[tuple[str, ...], ...] = ()
+    optional: bool = False
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.module, *self.older_modules)
+
+    @property
+    def calls(self) -> tuple[tuple[str, ...], ...]:
+        return (self.parameters, *self.other_calls) if self.parameters or self.other_calls else ()
 
     @property
     def label(self) -> str:
         name = f"{self.module}:{self.attr}" if self.attr else self.module
-        return f"{name}({', '.join(self.parameters)})" if self.parameters else name
+        if self.calls:
+            name += " or ".join(f"({', '.join(call)})" for call in self.calls)
+        return name + "".join(f", else {older}" for older in self.older_modules)
 
 
 @dataclass
@@ -342,13 +401,8 @@ class Finding:
     status: str  # the words the table shows
 
     def row(self) -> dict[str, str]:
-        return {
-            "what": self.wanted.kind,
-            "vllm_name": self.wanted.label,
-            "used_in": ", ".join(self.wanted.used_in),
-            "status": self.status,
-            "state": self.state,
-        }
+        what = self.wanted.kind + (" (optional)" if self.wanted.optional else "")
+        return {"what": what, "vllm_name": self.wanted.label, "status": self.status, "state": self.state}
 
 
 @dataclass(frozen=True)
@@ -378,6 +432,16 @@ def _is_dataclass(node: ast.ClassDef) -> bool:
     return any("dataclass" in ast.unparse(decorator) for decorator in node.decorator_list)
 
 
+def _is_struct(node: ast.ClassDef) -> bool:
+    """A ``msgspec.Struct``: its fields are its ``__init__``'s parameters, as a dataclass's."""
+    return any(ast.unparse(base).split(".")[-1] == "Struct" for base in node.bases)
+
+
+def _is_classmethod(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Called on its class, a class method does not take its first parameter from the call."""
+    return any(ast.unparse(decorator) == "classmethod" for decorator in node.decorator_list)
+
+
 class Checker:
     """Checks ``Wanted`` names against one release's sources."""
 
@@ -385,41 +449,70 @@ class Checker:
         self.resolver = Resolver(sources)
 
     def check(self, wanted: Wanted) -> Finding:
+        """The name in the first of its modules that has it (there its signature decides: a name found but called
+        otherwise is changed, not moved); missing when none has it, unless it is optional."""
         if not _is_vllm(wanted.module):
             return Finding(wanted, SKIPPED, "not vLLM's: skipped")
-        if self.resolver.sources.member(wanted.module) is None:
+        first = None
+        for module in wanted.modules:
+            finding = self._check_in(wanted, module)
+            if finding.state != MISSING:
+                if module != wanted.module:
+                    finding.status = finding.status.replace("ok", f"ok (in {module}, its older place)", 1)
+                return finding
+            first = first or finding
+        assert first is not None
+        if wanted.optional:
+            return Finding(wanted, OK, f"not in this release ({first.status}): optional, the package does without")
+        if wanted.older_modules:
+            first.status += f" (nor in {', '.join(wanted.older_modules)})"
+        return first
+
+    def _check_in(self, wanted: Wanted, module: str) -> Finding:
+        if self.resolver.sources.member(module) is None:
             return Finding(wanted, MISSING, "missing module")
         if not wanted.attr:
             return Finding(wanted, OK, "ok")
-        targets = self.resolver.resolve(wanted.module, wanted.attr)
+        if wanted.attr.startswith("*."):
+            named = self.resolver.names_flag(module, wanted.attr[2:])
+            return Finding(wanted, OK, "ok") if named else Finding(wanted, MISSING, "missing name")
+        owner, instance, attribute = wanted.attr.rpartition("().")
+        targets = self.resolver.resolve(module, owner if instance else wanted.attr)
+        if instance:
+            classes = [t for t in targets if isinstance(t, DefinitionTarget) and isinstance(t.node, ast.ClassDef)]
+            targets = [found for cls in classes for found in self.resolver.instance_attribute(cls, attribute)]
         if not targets:
             return Finding(wanted, MISSING, "missing name")
-        moved = sorted({t.module for t in targets if isinstance(t, DefinitionTarget) and t.module != wanted.module})
+        moved = sorted({t.module for t in targets if isinstance(t, DefinitionTarget) and t.module != module})
         external = sorted({t.module for t in targets if isinstance(t, ExternalTarget)})
         notes = [f"defined in {', '.join(moved)}"] if moved else []
         notes += [f"re-exported from {', '.join(external)}, not vLLM's"] if external else []
         where = f" ({'; '.join(notes)})" if notes else ""
-        if not wanted.parameters:
+        if not wanted.calls:
             return Finding(wanted, OK, f"ok{where}")
         return self._check_parameters(wanted, targets, where)
 
     def _check_parameters(self, wanted: Wanted, targets: list[Target], where: str) -> Finding:
-        """Ok when some binding of the name (a ``try``/``except`` pair, ``@overload``s) takes every parameter this
-        package passes and requires none it does not pass; else what is wrong with the first function found.
-        ``PRIVATE_NAMES`` lists every parameter a call passes, so a required one it does not list is one a vLLM
-        release added (a call passing the others by position then gives them to the wrong parameters)."""
+        """Ok when some binding of the name (a ``try``/``except`` pair, ``@overload``s) fits one of the parameter
+        lists it is called with: takes every parameter the call passes and requires none it does not pass; else
+        what is wrong with the first function found for the first list (the newest release's shape).
+        ``_vllm_compat.NAMES`` lists every parameter a call passes, so a required one it does not list is one a
+        vLLM release added (a call passing the others by position then gives them to the wrong parameters)."""
         problems: list[str] = []
-        for signature in self._signatures(targets):
-            lacking = [p for p in wanted.parameters if p not in signature.accepted]
-            unpassed = sorted(signature.required - set(wanted.parameters))
-            if not unpassed and (not lacking or signature.takes_kwargs):
-                via = f" via **kwargs ({', '.join(lacking)})" if lacking else ""
-                return Finding(wanted, OK, f"ok{via}{where}")
-            if not problems:
-                problems += (
-                    [f"lacks parameter(s) {', '.join(lacking)}"] if lacking and not signature.takes_kwargs else []
-                )
-                problems += [f"requires parameter(s) {', '.join(unpassed)}, not passed"] if unpassed else []
+        signatures = self._signatures(targets)
+        for index, call in enumerate(wanted.calls):
+            for signature in signatures:
+                lacking = [p for p in call if p not in signature.accepted]
+                unpassed = sorted(signature.required - set(call))
+                if not unpassed and (not lacking or signature.takes_kwargs):
+                    via = f" via **kwargs ({', '.join(lacking)})" if lacking else ""
+                    shape = f" as ({', '.join(call)})" if index else ""
+                    return Finding(wanted, OK, f"ok{shape}{via}{where}")
+                if not problems:
+                    problems += (
+                        [f"lacks parameter(s) {', '.join(lacking)}"] if lacking and not signature.takes_kwargs else []
+                    )
+                    problems += [f"requires parameter(s) {', '.join(unpassed)}, not passed"] if unpassed else []
         if not problems:
             kinds = sorted({_KIND_WORDS[type(t)] for t in targets})
             return Finding(wanted, UNCHECKED, f"found, but no signature to read ({', '.join(kinds)}){where}")
@@ -434,12 +527,12 @@ class Checker:
                 continue
             node = target.node
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                signatures.append(_signature(node))
+                signatures.append(_signature(node, bound=_is_classmethod(node)))
             elif isinstance(node, ast.ClassDef):
                 inits = self.resolver.class_attribute(target, "__init__")
                 functions = [t.node for t in inits if isinstance(t, DefinitionTarget)]
                 signatures += [_signature(f, bound=True) for f in functions if isinstance(f, ast.FunctionDef)]
-                if not inits and _is_dataclass(node):
+                if not inits and (_is_dataclass(node) or _is_struct(node)):
                     signatures.append(Signature(frozenset(self._dataclass_fields(target)), frozenset(), False))
             elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
                 signatures += self._signatures(self.resolver.resolve(target.module, node.value.id))
@@ -469,31 +562,20 @@ def check_names(where: Path, wanted: list[Wanted]) -> list[Finding]:
 # --- what this package relies on ------------------------------------------------------------------
 
 
-def private_names() -> list[Wanted]:
-    """``_vllm_compat.PRIVATE_NAMES`` (importing that module imports no vLLM)."""
+def declared_names() -> list[Wanted]:
+    """``_vllm_compat.NAMES``, every vLLM (and private torch) name the package uses (importing that module imports
+    no vLLM)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tensorizer_manifest._vllm_compat import PRIVATE_NAMES
+    from tensorizer_manifest._vllm_compat import NAMES
 
-    return [Wanted("private name", m, a, tuple(p), ("_vllm_compat",)) for m, a, p in PRIVATE_NAMES]
-
-
-def package_imports(package: Path = PACKAGE) -> list[Wanted]:
-    """Every distinct vLLM module and name the package's sources import (in functions too), with the files."""
-    used_in: dict[tuple[str, str], set[str]] = {}
-    for path in sorted(package.rglob("*.py")):
-        where = str(path.relative_to(package))
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                pairs = [(alias.name, "") for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                pairs = [(node.module, "" if alias.name == "*" else alias.name) for alias in node.names]
-            else:
-                continue
-            for module, name in pairs:
-                if _is_vllm(module):
-                    used_in.setdefault((module, name), set()).add(where)
-    return [Wanted("import", m, a, (), tuple(sorted(files))) for (m, a), files in sorted(used_in.items())]
+    wanted = []
+    for entry in NAMES:
+        first, *others = entry.calls or ((),)
+        module, *older = entry.modules
+        kind = "private" if entry.private else "public"
+        wanted.append(Wanted(kind, module, entry.attr, first, tuple(older), tuple(others), entry.optional))
+    return wanted
 
 
 # --- the wheel ------------------------------------------------------------------------------------
@@ -557,7 +639,7 @@ def fetch_wheel(version: str, cache: Path) -> Path:
 # --- the table ------------------------------------------------------------------------------------
 
 
-COLUMNS = (("what", "what"), ("vllm_name", "vLLM name"), ("used_in", "used in"), ("status", "status"))
+COLUMNS = (("what", "what"), ("vllm_name", "vLLM name"), ("status", "status"))
 
 
 def summary_line(version: str, findings: list[Finding]) -> str:
@@ -565,10 +647,10 @@ def summary_line(version: str, findings: list[Finding]) -> str:
     for finding in findings:
         if finding.state in counted:
             counted[finding.state] += 1
-    private = sum(1 for f in findings if f.wanted.kind == "private name" and f.state != SKIPPED)
-    imports = sum(1 for f in findings if f.wanted.kind == "import")
-    line = f"vLLM {version}: {private} private names and {imports} imports checked"
-    line += f", {counted[MISSING]} missing, {counted[CHANGED]} changed"
+    checked = [f for f in findings if f.state != SKIPPED]
+    private = sum(1 for f in checked if f.wanted.kind == "private")
+    line = f"vLLM {version}: {len(checked)} names checked ({private} private), {counted[MISSING]} missing, "
+    line += f"{counted[CHANGED]} changed"
     return line + (f", {counted[UNCHECKED]} unchecked" if counted[UNCHECKED] else "")
 
 
@@ -588,7 +670,7 @@ def render_markdown(findings: list[Finding]) -> str:
     lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for finding in findings:
         row = finding.row()
-        cells = [row["what"], cell(row["vllm_name"], code=True), cell(row["used_in"]), cell(row["status"])]
+        cells = [row["what"], cell(row["vllm_name"], code=True), cell(row["status"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -615,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     try:
-        findings = check_names(wheel, private_names() + package_imports())
+        findings = check_names(wheel, declared_names())
     except zipfile.BadZipFile:
         print(f"vLLM {args.version}: {wheel} is not a whole wheel: delete it to download it again", file=sys.stderr)
         return 2
@@ -624,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         document = {
             "vllm": args.version,
             "wheel": wheel.name,
-            "findings": [finding.row() | {"parameters": list(finding.wanted.parameters)} for finding in findings],
+            "findings": [finding.row() | {"calls": [list(c) for c in finding.wanted.calls]} for finding in findings],
             "summary": summary,
             "exit_status": exit_status(findings),
         }

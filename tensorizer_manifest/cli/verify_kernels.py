@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import _vllm_compat
 from .._constants import __version__
 from ..embedded_models.tiny import DEMO_PROMPTS
 from ..format.schema import Manifest, full_name
@@ -50,13 +51,11 @@ class VerifyResult:
 
 
 def _engine(model: str | Path, load_format: str, engine_args: dict[str, Any]):
-    from vllm import LLM
-
     options = dict(
         enforce_eager=True, max_num_seqs=1, seed=0, max_model_len=256, kv_cache_memory_bytes=256 << 20, dtype="auto"
     )
     options.update(engine_args)
-    return LLM(model=str(model), load_format=load_format, **options)
+    return _vllm_compat.LLM(model=str(model), load_format=load_format, **options)
 
 
 def _tensors_of(manifest: Manifest) -> Callable[[Any], dict[str, torch.Tensor]]:
@@ -64,8 +63,7 @@ def _tensors_of(manifest: Manifest) -> Callable[[Any], dict[str, torch.Tensor]]:
     wanted = {m.path: [t.name for t in m.tensors] for m in manifest.modules if m.state == "processed"}
 
     def collect(worker) -> dict[str, torch.Tensor]:
-        runner = worker.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model = _vllm_compat.worker_model(worker)
         out = {}
         for path, names in wanted.items():
             module = model.get_submodule(path)
@@ -80,14 +78,12 @@ def _tensors_of(manifest: Manifest) -> Callable[[Any], dict[str, torch.Tensor]]:
 
 def _run(model, load_format, engine_args, collect, max_tokens, also=None) -> tuple[list[list[int]], dict, Any]:
     """Start an engine, copy the tensors ``collect`` picks, generate greedily; ``also`` runs on the worker too."""
-    from vllm import SamplingParams
-
     llm = _engine(model, load_format, engine_args)
     try:
-        tensors = llm.collective_rpc(collect)[0]
-        extra = llm.collective_rpc(also)[0] if also is not None else None
-        outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs], tensors, extra
+        tensors = _vllm_compat.collective_rpc(llm, collect)[0]
+        extra = _vllm_compat.collective_rpc(llm, also)[0] if also is not None else None
+        tokens, _ = _vllm_compat.greedy_token_ids(llm, DEMO_PROMPTS, max_tokens)
+        return tokens, tensors, extra
     finally:
         shutdown(llm)
 
@@ -118,24 +114,17 @@ def recording_post_load(classes: set[type]) -> Iterator[set[int]]:
 
 def _step_classes(manifest: Manifest) -> set[type]:
     """vLLM classes whose post-load step a layer of this model may run: quant methods and attention layers."""
-    import importlib
-
     classes = set()
     for m in manifest.modules:
         for qualified in (m.quant_method, m.module_class):
-            module, _, name = (qualified or "").rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(module), name, None) if module else None
-            except ImportError:
-                cls = None
-            if isinstance(cls, type) and hasattr(cls, "process_weights_after_loading"):
+            cls = _vllm_compat.class_named(qualified or "")
+            if cls is not None and hasattr(cls, "process_weights_after_loading"):
                 classes.add(cls)
     return classes
 
 
 def _layer_ids(worker) -> dict[int, str]:
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model = _vllm_compat.worker_model(worker)
     return {id(module): path for path, module in model.named_modules()}
 
 
@@ -161,9 +150,7 @@ def _compare(manifest: Manifest, reference: dict, loaded: dict) -> dict[str, lis
 
 
 def _device() -> tuple[str, str, str | None]:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
+    if _vllm_compat.on_cpu():
         name = platform.processor() or platform.machine()
         try:
             for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -173,8 +160,8 @@ def _device() -> tuple[str, str, str | None]:
         except OSError:
             pass
         return "cpu", name, None
-    cap = current_platform.get_device_capability()
-    return current_platform.device_type, current_platform.get_device_name(), cap and f"{cap.major}.{cap.minor}"
+    cap = _vllm_compat.device_capability()
+    return (*_vllm_compat.device_description(), cap and f"{cap[0]}.{cap[1]}")
 
 
 def verify_kernels(

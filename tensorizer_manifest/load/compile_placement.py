@@ -123,11 +123,9 @@ class EngineCompile:
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineCompile:
-        from vllm import __version__ as vllm_version
-
         return cls(
             machine=machine_kind(vllm_config.device_config.device_type),
-            vllm_version=vllm_version,
+            vllm_version=_vllm_compat.vllm_version(),
             torch_version=str(torch.__version__),
             config_hash=compile_settings_hash(vllm_config),
             settings=compile_settings(vllm_config),
@@ -178,11 +176,9 @@ def choose(forms: list[CompileForm], engine: EngineCompile) -> tuple[CompileForm
 def aot_switched_off() -> str | None:
     """Make vLLM use its non-AOT compile cache in this process (what a form holds); why it cannot, or None.
     vLLM reads the variable when it builds a model, unless an engine before this one fixed its variables."""
-    from vllm import envs
-
     before = os.environ.get(AOT_VARIABLE)
     os.environ[AOT_VARIABLE] = "0"
-    if envs.VLLM_USE_AOT_COMPILE:
+    if _vllm_compat.aot_compile_enabled():
         if before is None:
             del os.environ[AOT_VARIABLE]
         else:

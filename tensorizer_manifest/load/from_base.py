@@ -3,7 +3,8 @@
 A generation whose form sets have no manifest for this engine's layout and rank (saved at TP=1, loaded at TP=2
 or at two pipeline stages) is loaded the way vLLM's default loader loads the source it came from: the model's
 ``load_weights`` is handed the base's tensors, so vLLM's weight loaders shard, stack and place them for this
-rank, layout and release; then vLLM's post-load step runs once on each layer that has one. What differs from
+rank, layout and release; then vLLM's post-load step runs once on each layer that has one, and the modules' own
+hooks that vLLM's step runs after them (``_vllm_compat.own_post_load_hooks``). What differs from
 the default loader is what the checkpoint adds: only the tensors this rank's layers were observed to take are
 read (a pipeline stage reads its own layers'), each is checked against its content hash before any step runs,
 and every parameter those layers took at the save must be filled again, else the load is refused
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import _vllm_compat
 from ..errors import IntegrityError
 from ..format.generation import BaseDocument, Layout
 from ..format.schema import ModuleRecord
@@ -63,6 +65,7 @@ def load_from_base(
         for path, module, kind in post_load_steps(model):
             run_post_load_step(module, kind, model_config, target_device)
             steps.append(f"{path}:{kind}")
+        steps.extend(f"{path}:own_hook" for path in _vllm_compat.run_own_post_load_hooks(model))
 
     if around_steps is None:
         run_steps()

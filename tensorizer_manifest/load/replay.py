@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import _vllm_compat
 from ..errors import ReplayError
 from ..format.schema import REPLAY_NONE, Manifest, ModuleRecord, kernel_map
 from ..model.layers import QUANT_METHOD_STEP, find_kernels, owners_of, post_load_steps, refuse_model_level_hook
@@ -38,18 +38,10 @@ class ReplayReport:
 
 def run_post_load_step(module: torch.nn.Module, kind: str, model_config: Any, target_device: torch.device) -> None:
     """One of vLLM's own post-load steps on one layer, as ``process_weights_after_loading`` runs it."""
-    from vllm.model_executor.model_loader.utils import device_loading_context
-
     if kind == QUANT_METHOD_STEP:
-        quant_method = module.quant_method
-        ctx = device_loading_context(module, target_device) if quant_method.requires_device_loading else nullcontext()
-        with ctx:
-            quant_method.process_weights_after_loading(module)
-        if hasattr(module, "update_param_tp_status"):
-            module.update_param_tp_status()
+        _vllm_compat.run_quant_method_step(module, target_device)
     else:
-        with device_loading_context(module, target_device):
-            module.process_weights_after_loading(model_config.dtype)
+        _vllm_compat.run_attention_step(module, model_config.dtype, target_device)
 
 
 class Replayer:

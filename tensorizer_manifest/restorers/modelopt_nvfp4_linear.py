@@ -49,10 +49,9 @@ def _nvfp4(module) -> tuple[object, bool] | None:
     quant_method = getattr(module, "quant_method", None)
     if qualified_class(quant_method) != _METHOD:
         return None
-    from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Dynamic, kNvfp4Static
-
+    static, dynamic = _vllm_compat.nvfp4_specs()
     spec = quant_method.spec
-    if spec.weight != kNvfp4Static or spec.activation not in (None, kNvfp4Dynamic):
+    if spec.weight != static or spec.activation not in (None, dynamic):
         return None
     found = layer_kernel(module, "kernel", KERNELS)
     return None if found is None else (found[1], spec.activation is None)

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .. import _vllm_compat
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
-from .._vllm_compat import server_batch_defaults
 from ..checks.fingerprint import engine_settings
 from ..errors import CheckpointNotFoundError, ConcurrentWriteError, ConfigurationError
 from ..format.generation import CompileForm, new_generation_id
@@ -56,7 +56,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
     engine.pop("enforce_eager", None)
     if for_server:  # what `vllm serve` runs with where engine_args say nothing
         world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
-        for name, value in server_batch_defaults(world).items():
+        for name, value in _vllm_compat.server_batch_defaults(world).items():
             engine.setdefault(name, value)
     read_model_config(directory)  # a checkpoint vLLM cannot read is refused here, before an engine starts
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-compile-cache-") as cache:
@@ -68,14 +68,12 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
         aot = os.environ.get(AOT_VARIABLE)
         os.environ[AOT_VARIABLE] = "0"  # what a form holds (load.compile_placement); inherited by worker processes
         try:
-            from vllm import LLM, SamplingParams
-
-            llm = LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION,
-                      enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
+            llm = _vllm_compat.LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION,
+                                   enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
             try:
-                llm.generate(["Compile forms are made here."], SamplingParams(max_tokens=4, temperature=0.0))
-                identities = llm.collective_rpc("tensorizer_manifest_compile_identity")
-                loaded = llm.collective_rpc("tensorizer_manifest_report")[0] or {}
+                _vllm_compat.greedy_token_ids(llm, ["Compile forms are made here."], max_tokens=4)
+                identities = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_compile_identity")
+                loaded = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_report")[0] or {}
             finally:
                 shutdown(llm)
         finally:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
+from .. import _vllm_compat
 from .._constants import LOAD_FORMAT, WORKER_EXTENSION
 from .._error_relay import errors_typed
 from .._signatures import takes_keywords_of
@@ -278,13 +279,13 @@ def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None 
             kwargs[name] = wanted
     kwargs.update(opts.engine_args)
 
-    from vllm import LLM
-
-    llm = LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION, **kwargs)
+    llm = _vllm_compat.LLM(
+        model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION, **kwargs
+    )
     try:
         with errors_typed():
-            ranks = llm.collective_rpc(
-                "add_tensorizer_manifest_form", args=(str(directory), key_file, encryption_key_file)
+            ranks = _vllm_compat.collective_rpc(
+                llm, "add_tensorizer_manifest_form", args=(str(directory), key_file, encryption_key_file)
             )
     finally:
         shutdown(llm)

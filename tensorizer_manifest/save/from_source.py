@@ -8,7 +8,6 @@ own, start it with ``load_format=CAPTURE_LOAD_FORMAT`` and
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -345,11 +344,9 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
         raise TensorizerManifestError(f"{out_dir}: the output directory must differ from the source model directory")
     apply_cpu_gemm(opts.cpu_gemm)
 
-    from vllm import LLM
-
     # The capture copies pre-step tensors to a nameless file beside the output, not into memory.
     with _environ(SPILL_DIR_ENV, os.environ.get(SPILL_DIR_ENV) or str(existing_parent(out_dir))):
-        llm = LLM(
+        llm = _vllm_compat.LLM(
             model=str(src_dir),
             load_format=CAPTURE_LOAD_FORMAT,
             worker_extension_cls=WORKER_EXTENSION,
@@ -358,7 +355,8 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with errors_typed():
-            ranks = llm.collective_rpc(
+            ranks = _vllm_compat.collective_rpc(
+                llm,
                 "save_tensorizer_manifest",
                 args=(str(out_dir), False, key_file, encryption_key_file, opts.progress),
                 kwargs={"format_version": opts.format_version, "base_reference": opts.base == "reference"},
@@ -417,17 +415,4 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 def shutdown(llm: Any) -> None:
     """Stop an engine and free its memory, so another can start in this process."""
-    try:
-        engine = getattr(llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-    finally:
-        del llm
-        gc.collect()
-        try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        except Exception:  # best effort: nothing to clean when no group was made
-            pass
+    _vllm_compat.shutdown_engine(llm)

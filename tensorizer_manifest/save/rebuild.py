@@ -331,13 +331,11 @@ class Rebuilder:
         ``set_default_quant_scales``), and what a quant method whose ``create_weights`` needs nothing but the
         layer makes (the KV-cache methods' ``k_scale``, deleted by the step). Other methods' tensors all come
         from the source."""
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
         bare = copy.copy(layer.shadow)  # its attributes (num_kv_heads...), none of its tensors
         bare._parameters, bare._buffers, bare._modules = {}, {}, {}
         method = layer.shadow.__dict__.get("quant_method")
         create = getattr(method, "create_weights", None)
-        with set_default_torch_dtype(self.model_config.dtype), self.device:
+        with _vllm_compat.default_dtype(self.model_config.dtype), self.device:
             if "_k_scale" in layer.metas:  # an attention layer: its scales as its __init__ sets them
                 _vllm_compat.set_default_quant_scales(bare)
             if create is not None and len(inspect.signature(create).parameters) == 1:
@@ -394,12 +392,10 @@ class Rebuilder:
         W8A8-int8 keeps only a handle), comparing tensors compares nothing: a linear layer's kernel is run, the
         live one and the rebuilt one, on the same inputs, and must answer bit for bit. A layer of another kind
         whose step hides a weight cannot be compared, and is refused."""
-        from vllm.model_executor.layers.linear import LinearBase
-
         self._compare_impl_tensors(layer)
-        if isinstance(layer.live, LinearBase) and self._emptied_by_attention(layer, live):
+        if _vllm_compat.is_linear_layer(layer.live) and self._emptied_by_attention(layer, live):
             return  # never run: the attention layer serves its packed copies, compared with that layer's impl
-        if not isinstance(layer.live, LinearBase):
+        if not _vllm_compat.is_linear_layer(layer.live):
             hidden = sorted(
                 name
                 for name, slot in layer.before.tensors.items()
@@ -528,10 +524,6 @@ def capture_running_engine(
     """Rebuild what the capture loader records, for an engine loaded by vLLM's default loader. ``spill_dir``: where
     the raw layers' pre-step copies go (``spill.spill_dir``), about their size: the output's file system, not a
     RAM-backed ``/tmp``."""
-    from vllm.config import replace
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
     if load_config.load_format not in ("auto", "safetensors", "pt", "npcache"):
         raise UnsupportedModelError(
@@ -539,13 +531,13 @@ def capture_running_engine(
             "default loader loaded (from safetensors or .bin) can be rebuilt from its source"
         )
     device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
-    loader = DefaultModelLoader(replace(load_config, model_loader_extra_config={}))
-    _vllm_compat.apply_expert_parallel_filter(loader, vllm_config)  # as the engine read them: its experts only
+    loader = _vllm_compat.default_model_loader(load_config, model_loader_extra_config={})
+    _vllm_compat.apply_expert_parallel_filter(loader, vllm_config, model)  # as the engine read them: its experts only
     rebuilder = Rebuilder(model, model_config, device, policy, spill_dir)
     try:
         # vLLM's loader runs every step under the model's dtype as torch's default: a step reads it (W8A8-int8's
         # oneDNN handle takes its output dtype from it; outside it, the handle writes float32 into bf16 outputs)
-        with torch.no_grad(), set_default_torch_dtype(model_config.dtype):
+        with torch.no_grad(), _vllm_compat.default_dtype(model_config.dtype):
             rebuilder.load(_source_weights(loader, model_config, model))
         return rebuilder.capture(fingerprint)
     except BaseException:

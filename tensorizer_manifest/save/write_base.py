@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import _vllm_compat
 from ..errors import NotReproducibleError
 from ..format.generation import BASE_DOCUMENT, GENERATIONS_FORMAT_VERSION, BaseDocument, encode_base
 from ..format.schema import EncryptionKey, TensorFileRef, digest_records
@@ -36,11 +37,9 @@ BASE_STEM = "base"
 
 def source_weights(vllm_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine's source, read again as vLLM's default loader reads it (all of it: no expert filter)."""
-    from vllm.config import replace
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    load_config = replace(vllm_config.load_config, load_format="auto", model_loader_extra_config={})
-    return DefaultModelLoader(load_config).get_all_weights(vllm_config.model_config, model)
+    load_config = vllm_config.load_config
+    loader = _vllm_compat.default_model_loader(load_config, load_format="auto", model_loader_extra_config={})
+    return loader.get_all_weights(vllm_config.model_config, model)
 
 
 def write_base(

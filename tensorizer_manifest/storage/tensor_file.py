@@ -1,9 +1,9 @@
 """The tensor file on disk: writing it with tensorizer, reading it back, its index, prefix and head hash.
 
-The only module that imports tensorizer's serialization, so a tensorizer
-upgrade touches one file (``remote`` uses its ``stream_io`` to move bytes);
-the private tensorizer names it relies on, and the wording of tensorizer's
-messages it reads, are behind ``tensorizer_names``.
+The only module that uses tensorizer's serialization (``remote`` uses its
+``stream_io`` to move bytes); tensorizer's names, public and private, and the
+wording of its messages it reads, are behind ``tensorizer_names``, the one
+module that imports tensorizer.
 Tensors go in contiguous and with their dtype untouched; the manifest
 (``tensors.py``) carries everything else about their form. A tensor file is a
 local ``Path`` or a ``remote.RemoteFile``: the reader then streams it from
@@ -63,10 +63,10 @@ def write_tensor_file(
     hand out views of one reused buffer. ``on_written(key, nbytes)`` is called
     after each tensor is written.
     """
-    from tensorizer import EncryptionParams, TensorSerializer, TensorType
-
-    encryption = EncryptionParams(encryption_key.tensorizer_key()) if encryption_key is not None else None
-    serializer = TensorSerializer(str(path), encryption=encryption)
+    encryption = (
+        tensorizer_names.EncryptionParams(encryption_key.tensorizer_key()) if encryption_key is not None else None
+    )
+    serializer = tensorizer_names.TensorSerializer(str(path), encryption=encryption)
     try:
         for key, tensor in tensors:
             data = tensor.detach()
@@ -76,7 +76,7 @@ def write_tensor_file(
             if encryption is not None and data.data_ptr() == tensor.data_ptr():
                 # tensorizer encrypts in place and decrypts back after writing: never on a tensor a model holds.
                 data = data.clone()
-            serializer.write_tensor(0, key, TensorType.STATE_DICT, data)
+            serializer.write_tensor(0, key, tensorizer_names.TensorType.STATE_DICT, data)
             if on_written is not None:
                 on_written(key, data.numel() * data.element_size())
     finally:
@@ -84,16 +84,14 @@ def write_tensor_file(
 
 
 def _decryption(encryption_key: EncryptionKey | None):
-    from tensorizer import DecryptionParams
-
-    return DecryptionParams.from_key(encryption_key.tensorizer_key()) if encryption_key is not None else None
+    if encryption_key is None:
+        return None
+    return tensorizer_names.DecryptionParams.from_key(encryption_key.tensorizer_key())
 
 
 def _crypto_error(name: str, exc: Exception) -> Exception | None:
     """The package's error for a tensorizer cryptography failure, None for other exceptions."""
-    from tensorizer.serialization import CryptographyError
-
-    if not isinstance(exc, CryptographyError):
+    if not isinstance(exc, tensorizer_names.CryptographyError):
         return None
     text = str(exc)
     if tensorizer_names.DECRYPTION_NOT_REQUESTED in text:
@@ -132,8 +130,6 @@ class TensorFileReader:
         num_readers: int | None = None,
         encryption_key: EncryptionKey | None = None,
     ):
-        from tensorizer import TensorDeserializer
-
         self.path = path if isinstance(path, RemoteFile) else Path(path)
         self.num_readers = num_readers or default_num_readers()
         source: object = str(self.path)
@@ -143,7 +139,7 @@ class TensorFileReader:
             if headers.get("accept-ranges") != "bytes":
                 self.num_readers = 1  # parallel readers need range requests
         try:
-            self._deserializer = TensorDeserializer(
+            self._deserializer = tensorizer_names.TensorDeserializer(
                 source,
                 device=device,
                 lazy_load=True,
@@ -245,13 +241,11 @@ _INDEX_ONLY_KEY = bytes(32)
 
 def read_index(path: Path | RemoteFile, encrypted: bool = False) -> dict[str, IndexEntry]:
     """tensorizer's index of a file, by tensor name. Reads no tensor data, so needs no key when ``encrypted``."""
-    from tensorizer import DecryptionParams, TensorDeserializer
-
-    encryption = DecryptionParams.from_key(_INDEX_ONLY_KEY) if encrypted else None
+    encryption = tensorizer_names.DecryptionParams.from_key(_INDEX_ONLY_KEY) if encrypted else None
     name = path.name if isinstance(path, RemoteFile) else Path(path).name
     stream = path.open() if isinstance(path, RemoteFile) else None
     try:
-        deserializer = TensorDeserializer(
+        deserializer = tensorizer_names.TensorDeserializer(
             stream if stream is not None else str(path),
             device="cpu",
             lazy_load=True,

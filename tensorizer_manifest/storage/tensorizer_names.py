@@ -8,14 +8,17 @@ version, the name and the tested range), and a feature the package can do withou
 retried re-opens of parallel readers, the dropping of tensorizer's cached tensors) is given up with one warning
 that names what is lost, never silently.
 
-tensorizer itself is imported inside the functions (to check a name, never to read or write a file): importing
-this module is free. ``storage/tensor_file.py`` and ``storage/remote/`` (``curl_stream``, ``failures``) use it; it
-imports nothing of the package but ``errors`` and ``_constants``.
+The twin of ``_vllm_compat`` for tensorizer: the only module that imports tensorizer (an import-linter contract in
+``pyproject.toml``). The public names the others use are its attributes (``PUBLIC_NAMES``:
+``tensorizer_names.TensorDeserializer``), imported on each use, never at this module's import: importing it is free.
+``storage/tensor_file.py``, ``storage/remote/`` (``curl_stream``, ``failures``) and ``checks/fingerprint.py`` use
+it; it imports nothing of the package but ``errors``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import re
 import subprocess
@@ -30,6 +33,26 @@ logger = logging.getLogger(__name__)
 #: The tensorizer releases a test ran (also in README.md and ``pyproject.toml``). Others are not refused as
 #: such: a private name gone or changed is, where it is needed (or the feature it serves is given up).
 SUPPORTED_TENSORIZER = ">=2.10.1,<2.13"
+
+#: tensorizer's public names the package uses, as attributes of this module: (module, name; empty for the module).
+PUBLIC_NAMES: dict[str, tuple[str, str]] = {
+    "TensorSerializer": ("tensorizer", "TensorSerializer"),
+    "TensorDeserializer": ("tensorizer", "TensorDeserializer"),
+    "TensorType": ("tensorizer", "TensorType"),
+    "EncryptionParams": ("tensorizer", "EncryptionParams"),
+    "DecryptionParams": ("tensorizer", "DecryptionParams"),
+    "CryptographyError": ("tensorizer.serialization", "CryptographyError"),
+    "stream_io": ("tensorizer.stream_io", ""),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in PUBLIC_NAMES:
+        module_name, attr = PUBLIC_NAMES[name]
+        module = importlib.import_module(module_name)
+        return getattr(module, attr) if attr else module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: (module, name, parameters) of every private tensorizer name used below. ``Class.name`` is an attribute of the
 #: class (a method: its parameters are the names this package passes it, which its signature must still have);
@@ -106,7 +129,6 @@ def _takes_anything(signature: Any) -> bool:
 def _problem(module_name: str, name: str, parameters: tuple[str, ...]) -> tuple[Any, str | None]:
     """The private name (for ``Class().name``, the class) and None, or ``_MISSING`` and what is wrong with it in
     this tensorizer."""
-    import importlib
     import inspect
 
     try:

@@ -13,7 +13,7 @@ pins a format-3 checkpoint to its current generation before vLLM reads it).
 
 The names vLLM is given (``tensorizer_manifest.vllm_integration:register``, ``WORKER_EXTENSION``) are this
 package's: they stay put whatever moves inside it. Below the CLI, above everything else (it saves and loads);
-every private vLLM name it uses is in ``_vllm_compat``.
+every vLLM name it uses, the loaders' base classes included, comes from ``_vllm_compat``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .. import _failpoints, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, LOAD_FORMAT
@@ -362,7 +360,7 @@ def agreed_generation(checkpoint: str, options: LoadOptions) -> tuple[Path | Rem
     return None if found is None else (root, found[0])
 
 
-class ManifestModelLoader(BaseModelLoader):
+class ManifestModelLoader(_vllm_compat.BaseModelLoader):
     """Loads a tensorizer-manifest checkpoint: validate, restore, replay."""
 
     def download_model(self, model_config) -> None:  # tensors are streamed from checkpoint_dir at load
@@ -488,9 +486,6 @@ class ManifestModelLoader(BaseModelLoader):
     ):  # fmt: skip
         """No form set of the generation fits this engine (``why``): every layer from its base (``load.from_base``).
         With ``add_form``, vLLM's steps are observed as a save's are, for this layout's form set."""
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
         if options.add_form and fingerprint is None:
             raise ConfigurationError(
                 f"{root}: this vLLM cannot describe the forms it would make, so add-form cannot run on it ({why})"
@@ -516,9 +511,9 @@ class ManifestModelLoader(BaseModelLoader):
         )
         with checked_base.open(target_device) as reader:
             clock.lap("check_files")
-            with set_default_torch_dtype(model_config.dtype):
+            with _vllm_compat.default_dtype(model_config.dtype):
                 with target_device:
-                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                    model = _vllm_compat.initialize_model(vllm_config, model_config, prefix)
                 clock.lap("build_model")
                 report = load_from_base(
                     model,
@@ -528,7 +523,7 @@ class ManifestModelLoader(BaseModelLoader):
                     target_device,
                     verify_hashes=options.verify_hashes,
                     around_steps=observe if options.add_form else None,
-                    not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config),
+                    not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config, model),
                 )
             clock.lap("read_and_post_load")
         summary = {**report, "seconds": clock.laps, "generation": generation.id, "encrypted": encrypted, "why": why}
@@ -557,12 +552,9 @@ class ManifestModelLoader(BaseModelLoader):
         replay; returns the model and its report. ``readers``: the tensor files (``validate.CheckedFiles``);
         ``base``: the generation's base (``_CheckedBase``, None without one), where the layers the form set leaves
         to it are fed from, first (``from_base.feed_layers``)."""
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
-        with set_default_torch_dtype(model_config.dtype):
+        with _vllm_compat.default_dtype(model_config.dtype):
             with target_device:
-                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                model = _vllm_compat.initialize_model(vllm_config, model_config, prefix)
             clock.lap("build_model")
             loaded = manifest
             forms = choose_forms(manifest, model, fingerprint, readers.usable)
@@ -606,7 +598,7 @@ class ManifestModelLoader(BaseModelLoader):
                         base_reader,
                         fed,
                         verify_hashes=options.verify_hashes,
-                        not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config),
+                        not_this_ranks=_vllm_compat.other_ranks_experts(vllm_config, model),
                     )
                 for record in fed:  # its hashes were checked as it was fed
                     on_layer(record, model.get_submodule(record.path), lambda path: None)
@@ -705,16 +697,14 @@ def _why_not_its_forms(root, generation, stem, fingerprint, undescribed, options
     return None
 
 
-class CaptureModelLoader(DefaultModelLoader):
+class CaptureModelLoader(_vllm_compat.DefaultModelLoader):
     """vLLM's default loader, with the post-load step observed so the engine can save itself."""
 
     def __init__(self, load_config):
-        from vllm.config import replace
-
         self.options = CaptureOptions.from_load_config(load_config)
         self.observer: SourceObserver | None = None
         # The default loader picks weight files by load format; read them as "auto" does.
-        super().__init__(replace(load_config, load_format="auto", model_loader_extra_config={}))
+        super().__init__(_vllm_compat.replace_config(load_config, load_format="auto", model_loader_extra_config={}))
 
     def get_all_weights(self, model_config, model):
         weights = super().get_all_weights(model_config, model)

@@ -70,8 +70,7 @@ class ManifestWorkerExtension:
     to the process that called them (``relaying``): vLLM passes only their text."""
 
     def _tm_model(self) -> torch.nn.Module:
-        runner = self.model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return _vllm_compat.worker_model(self)
 
     @relaying
     def save_tensorizer_manifest(

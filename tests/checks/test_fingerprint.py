@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 from helpers.synthetic import FINGERPRINT
 
 from tensorizer_manifest.checks.fingerprint import (
@@ -108,3 +109,87 @@ def test_a_setting_the_manifest_does_not_record_is_refused_at_save_and_at_load(m
     refuse_unrecorded_settings(kernels, _manifest("cpu_unquantized_gemm"), "ckpt")  # no kernel-specific layer
     with pytest.raises(CompatibilityError, match="linear_backend_per_quant"):
         refuse_unrecorded_settings(kernels, _manifest("a_restorer_this_version_lacks"), "ckpt")
+
+
+# -- vLLM's weight-cache key (WeightCacheKey), whose fields the fingerprint follows --------------------------------
+
+#: Each field of vLLM's ``WeightCacheKey`` (0.31-0.34) and what of a checkpoint answers for it: a ``Fingerprint``
+#: field, a setting saved only at vLLM's default (``UNRECORDED_SETTINGS``), or, in words, why neither is needed.
+_CACHE_KEY_FIELDS = {
+    "checkpoint": "the generation holds the model's files by their hashes",
+    "model_arch": "architectures",
+    "tp_size": "tensor_parallel_size",
+    "tp_rank": "tensor_parallel_rank",
+    "dtype": "dtype",
+    "quantization": "quantization",
+    "quant_config_hash": "quant_config_hash",
+    "rope_parameters_hash": "hf_overrides",  # config.json's rope parameters are the generation's own file's
+    "kv_cache_dtype": "kv_cache_dtype",
+    "kv_cache_dtype_skip_layers": "kv_cache_dtype_skip_layers",
+    "revision": "revision",
+    "vllm_version": "vllm_version",
+    "pp_size": "pipeline_parallel_size",
+    "pp_rank": "pipeline_parallel_rank",
+    "is_draft": "a draft model is another model, loaded from its own checkpoint",
+    "dp_size": "data_parallel_size",
+    "dp_rank": "data_parallel_rank",
+    "enable_expert_parallel": "expert_parallel",
+    "expert_placement_strategy": "expert_placement_strategy",
+    "moe_backend": "moe_backend",
+    "linear_backend": "linear_backend",
+    "linear_backend_per_quant": "linear_backend_per_quant",
+}
+
+
+def _cache_key_fields(where: Path) -> list[str]:
+    """The fields of ``WeightCacheKey`` in the vLLM sources at ``where`` (a wheel, or an installed tree), read."""
+    import ast
+
+    from helpers.release_check import load_release_check
+
+    sources = load_release_check().sources_at(where)
+    try:
+        tree = sources.tree("vllm.model_executor.model_loader.weight_cache.protocol")
+    finally:
+        sources.close()
+    [key] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "WeightCacheKey"]
+    return [node.target.id for node in key.body if isinstance(node, ast.AnnAssign)]
+
+
+def _answered(fields: list[str]) -> list[str]:
+    """The fields of the key that nothing of a checkpoint answers for."""
+    from tensorizer_manifest.checks.fingerprint import UNRECORDED_SETTINGS
+
+    recorded = set(schema.Fingerprint.__struct_fields__) | set(UNRECORDED_SETTINGS)
+    return [
+        field
+        for field in fields
+        if field not in _CACHE_KEY_FIELDS
+        or (" " not in _CACHE_KEY_FIELDS[field] and _CACHE_KEY_FIELDS[field] not in recorded)
+    ]
+
+
+def test_every_field_of_the_installed_vllms_weight_cache_key_is_answered():
+    """A processed tensor is only as reusable as vLLM's own cache key says: each of its fields is recorded in the
+    fingerprint, refused away from vLLM's default, or needs neither (the test names why)."""
+    vllm = pytest.importorskip("vllm")
+    fields = _cache_key_fields(Path(vllm.__file__).parent.parent)
+    assert {"tp_rank", "quant_config_hash", "vllm_version"} <= set(fields)
+    assert _answered(fields) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("release", ["0.33", "0.34"])
+def test_every_field_of_a_read_checked_releases_weight_cache_key_is_answered(release):
+    """vLLM 0.33's key added the rope parameters, the KV-cache dtype and its skipped layers, expert placement and
+    the kernel backends (0.34 kept them): each is answered, read in the release's wheel."""
+    from helpers.release_check import load_release_check
+
+    release_check = load_release_check()
+    try:
+        wheel = release_check.fetch_wheel(f"{release}.0", release_check.DEFAULT_CACHE)
+    except release_check.NoWheel as exc:
+        pytest.skip(str(exc))
+    fields = _cache_key_fields(wheel)
+    assert {"rope_parameters_hash", "kv_cache_dtype_skip_layers", "linear_backend_per_quant"} <= set(fields)
+    assert _answered(fields) == []

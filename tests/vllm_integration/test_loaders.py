@@ -193,7 +193,7 @@ def test_a_vllm_release_neither_run_nor_read_checked_is_refused_before_anything_
     from tensorizer_manifest.errors import UnsupportedVLLMError
     from tensorizer_manifest.vllm_integration import loaders
 
-    monkeypatch.setattr(_vllm_compat, "vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(_vllm_compat, "vllm_version", lambda: "0.35.0")
     cls = getattr(loaders, loader)
-    with pytest.raises(UnsupportedVLLMError, match=r"vLLM 0\.34\.0 is not one tensorizer-manifest supports"):
+    with pytest.raises(UnsupportedVLLMError, match=r"vLLM 0\.35\.0 is not one tensorizer-manifest supports"):
         cls.load_model(object.__new__(cls), None, None)

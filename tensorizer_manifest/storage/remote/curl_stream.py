@@ -36,8 +36,7 @@ def _curl_flags_class() -> type:
     ``certificate_handling`` (its ``curl_flags`` go on every curl a stream runs, kept by its forks and
     re-opens). A subclass whose flags are ours, not a certificate option: curl verifies certificates as
     by default."""
-    from tensorizer import stream_io
-
+    stream_io = tensorizer_names.stream_io
     base = getattr(stream_io, "CAInfo", None)
     if not isinstance(base, type) or not isinstance(getattr(base, "curl_flags", None), property):
         raise ConfigurationError(  # pragma: no cover - another tensorizer
@@ -104,8 +103,7 @@ def open_read(
     own, a secret: never shown), and the stream's re-opens and forks ask the object through ``StreamHooks``
     (``retry_opening``, ``check_version``, ``read_error``). Otherwise tensorizer's plain ``open_stream``.
     """
-    from tensorizer import stream_io
-
+    stream_io = tensorizer_names.stream_io
     s3 = _is_s3(uri)
     cls = tensorizer_names.retrying_stream_class()
     presign = tensorizer_names.s3_download_url() if s3 else None
@@ -140,8 +138,7 @@ def _presigned_url(
 
 def upload(uri: str, options: RemoteOptions, source: Path) -> None:
     """Write a local file to an S3 object through ``stream_io``'s upload (visible once complete)."""
-    from tensorizer import stream_io
-
+    stream_io = tensorizer_names.stream_io
     stream = stream_io.open_stream(uri, "wb", **stream_kwargs(uri, options, write=True))
     with open(source, "rb") as f:
         shutil.copyfileobj(f, stream, CHUNK_BYTES)
