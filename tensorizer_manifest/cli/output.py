@@ -12,7 +12,8 @@ import os
 import sys
 from typing import NoReturn
 
-# Piped output is read by tools and people alike: give tables room instead of rich's 80 columns.
+# Piped output is read by tools and people alike: give tables room instead of rich's 80 columns, and never break
+# a line of text (a path or a URI broken in two in a log cannot be copied back).
 _WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 220
 
 
@@ -21,14 +22,14 @@ def console():
     """rich, imported on first use: `inspect --json` and `schema` never pay for it."""
     from rich.console import Console
 
-    return Console(width=_WIDTH)
+    return Console(width=_WIDTH, soft_wrap=not sys.stdout.isatty())
 
 
 @functools.cache
 def err_console():
     from rich.console import Console
 
-    return Console(stderr=True, width=_WIDTH)
+    return Console(stderr=True, width=_WIDTH, soft_wrap=not sys.stderr.isatty())
 
 
 def fail(exc: BaseException) -> NoReturn:

@@ -48,7 +48,9 @@ def _run(how: str, *args: str, env: dict) -> tuple[int, str]:
         shown = typed(*args, env=env, timeout=300)
         return shown.returncode, shown.flat
     done = piped(*args, *(["--json"] if how == "json" else []), env=env, timeout=300)
-    return done.returncode, done.stdout + done.stderr
+    if how == "json":
+        return done.returncode, done.stdout + done.stderr
+    return done.returncode, " ".join((done.stdout + done.stderr).split())  # where a log's width wrapped it
 
 
 def _ended_well(code: int, said: str, secret: str) -> None:
