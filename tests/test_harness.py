@@ -84,6 +84,75 @@ def test_a_scenario_past_its_time_is_killed_and_the_server_goes_on(server, tmp_p
     assert os.path.exists(server.log)
 
 
+SPAWNING = textwrap.dedent(
+    """
+    import json, multiprocessing, os, sys
+
+    def child(path):
+        print("the child's own line", flush=True)
+        with open(path, "w") as handle:
+            json.dump({"set_at_runtime": os.environ.get("TM_SET_AT_RUNTIME"), "ppid": os.getppid(),
+                       "torch_imported_before": "torch" in sys.modules}, handle)
+        sys.exit(7)
+
+    if __name__ == "__main__":
+        os.environ["TM_SET_AT_RUNTIME"] = "yes"  # as vLLM sets its settings just before it spawns
+        seen = []
+        for n in range(2):  # the first may start this process's forkserver; the second is forked by one
+            path = os.path.join(sys.argv[1], f"child-{n}.json")
+            process = multiprocessing.get_context("spawn").Process(target=child, args=(path,), name=f"probe-{n}")
+            process.start()
+            process.join(timeout=300)
+            seen.append({"exitcode": process.exitcode, **json.load(open(path))})
+        print("SPAWNED " + json.dumps({"pid": os.getpid(), "children": seen}), flush=True)
+    """
+)
+
+
+def _spawned(server: Preloaded, tmp_path, **extra: str) -> tuple[dict, str, list[str]]:
+    script = tmp_path / "spawning.py"
+    script.write_text(SPAWNING)
+    log = tmp_path / "fast_spawn.log"
+    env = _scenario_env({"TM_FAST_SPAWN_LOG": str(log), **extra})
+    ran = server.run([str(script), str(tmp_path)], env, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    line = next(row for row in ran.stdout.splitlines() if row.startswith("SPAWNED "))
+    return json.loads(line.removeprefix("SPAWNED ")), ran.stdout, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(os.environ.get("TM_FAST_SPAWN") == "0", reason="TM_FAST_SPAWN=0: vLLM's spawns stay spawns")
+def test_a_spawn_in_a_scenario_is_forked_as_the_process_a_spawn_would_have_been(server, tmp_path):
+    """vLLM's engine and worker processes (``helpers.fast_spawn``): forked with torch imported, yet with the
+    environment the requester has when it asks (set at runtime included), its output where the requester's
+    goes, its exit code seen by the requester."""
+    result, stdout, log = _spawned(server, tmp_path)
+    assert [child["exitcode"] for child in result["children"]] == [7, 7]
+    assert all(child["set_at_runtime"] == "yes" for child in result["children"])
+    assert stdout.count("the child's own line") == 2
+    assert log and log[-1].endswith("forked probe-1"), log
+    assert result["children"][-1]["torch_imported_before"], "the second child imported its libraries itself"
+    assert result["children"][-1]["ppid"] != result["pid"]  # the forkserver's child, not the requester's
+
+
+def test_the_forkserver_forks_only_an_environment_it_serves(monkeypatch):
+    """Read at start or import: must equal (else spawned). Read when used, or given by hand: may differ."""
+    from helpers import fast_spawn
+
+    launch = {"PATH": "/bin", "LD_PRELOAD": "/lib/libgomp.so.1", "OMP_NUM_THREADS": "2", "VLLM_CACHE_ROOT": "/a"}
+    monkeypatch.setattr(fast_spawn, "IMPORT_CHANGES", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})
+    assert fast_spawn.differences(dict(launch), launch) == []
+    assert fast_spawn.differences(dict(launch, VLLM_CACHE_ROOT="/b", OMP_NUM_THREADS="1"), launch) == []
+    assert fast_spawn.differences(dict(launch, GOMP_CPU_AFFINITY="0 1", TM_X="1"), launch) == []
+    assert fast_spawn.differences(dict(launch, TORCHINDUCTOR_CACHE_DIR="/tmp/inductor"), launch) == []
+    assert fast_spawn.differences(dict(launch, LD_PRELOAD="/lib/tcmalloc.so"), launch) == ["LD_PRELOAD"]
+    assert fast_spawn.differences(dict(launch, OMP_PLACES="{0}"), launch) == ["OMP_PLACES"]
+    assert fast_spawn.differences(dict(launch, GOMP_CPU_AFFINITY="0-3:2"), launch) == ["GOMP_CPU_AFFINITY"]
+    assert fast_spawn.differences(dict(launch, TORCHINDUCTOR_CACHE_DIR="/elsewhere"), launch) == [
+        "TORCHINDUCTOR_CACHE_DIR"
+    ]
+    assert fast_spawn.differences(dict(launch), None) == ["(no forkserver)"] or fast_spawn.LAUNCH_ENV is not None
+
+
 # -- the session's compiler cache ------------------------------------------------------------------------------
 
 

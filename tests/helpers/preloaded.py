@@ -169,19 +169,36 @@ def freeze_the_imported_heap() -> None:
     gc.freeze = gc.unfreeze = lambda: None  # type: ignore[assignment]
 
 
+#: Set to 0 to let vLLM spawn its engine and worker processes as it does (``helpers.fast_spawn``).
+FAST_SPAWN_ENV = "TM_FAST_SPAWN"
+
+
 def _serve(reply_fd: int) -> None:
     import importlib
     import threading
 
     replies = os.fdopen(reply_fd, "w")
+    before = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     freeze_the_imported_heap()
     if threading.active_count() != 1:  # a thread in the parent would be a lock held forever in a child
         raise RuntimeError(f"preloading started threads: {threading.enumerate()}")
+    tests_dir = str(Path(__file__).resolve().parent.parent)
+    sys.path.insert(0, tests_dir)
+    from helpers import fast_spawn  # as the forkserver names it, so that what is pickled resolves there
+
+    learned = None
+    if os.environ.get(FAST_SPAWN_ENV) != "0":
+        learned = Path(tempfile.mkdtemp(prefix="fast-spawn-")) / "environment.json"
+        fast_spawn.remove_at_exit(str(learned.parent))
+        fast_spawn.install(list(PRELOAD), str(learned), import_changes=fast_spawn.imported_changes(before))
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
+        if learned is not None and learned.exists():  # a scenario's first spawn: serve the next ones forked
+            fast_spawn.start_forkserver(str(learned))
+            learned = None  # the forkserver reads it when it starts; removed with its directory at exit
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
