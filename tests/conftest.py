@@ -287,7 +287,7 @@ def run_script(
     ``python``: another environment's interpreter (another vLLM release), as a fresh process."""
     env = _scenario_env(env or {})
     argv = [str(TESTS / script), *args]
-    if python is None and _PRELOADED is not None and _PRELOADED.can_run(env):
+    if python is None and _PRELOADED is not None and (_PRELOADED.can_run(env) or _PRELOADED.restart_in(env)):
         proc = _PRELOADED.run(argv, env, timeout)
     else:
         proc = subprocess.run(

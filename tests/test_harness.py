@@ -60,6 +60,26 @@ def test_a_different_environment_is_never_forked(server):
     assert server.can_run(dict(server.env, VLLM_CACHE_ROOT="/another/cache"))  # read when used, never at import
 
 
+def test_a_server_is_started_again_in_a_new_environment_a_few_times_then_scenarios_run_fresh(tmp_path):
+    """An earlier test can leave a setting in the worker's environment: the next scenarios are still forked, by a
+    server started in it, up to ``RESTARTS`` times (then fresh processes, never a wrong environment)."""
+    script = tmp_path / "scenario.py"
+    script.write_text(SCRIPT)
+    first = _scenario_env({"TM_HARNESS": "first"})
+    second = dict(first, VLLM_CPU_KVCACHE_SPACE="1", TM_HARNESS="second")
+    preloaded = Preloaded(ROOT)
+    preloaded.RESTARTS = 1
+    try:
+        assert preloaded.run([str(script), "0"], first, timeout=120).returncode == 0
+        assert not preloaded.can_run(second) and preloaded.restart_in(second)
+        ran = preloaded.run([str(script), "0"], second, timeout=120)
+        assert ran.returncode == 0 and json.loads(ran.stdout)["tm"] == "second"
+        assert preloaded.env is not None and preloaded.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert not preloaded.can_run(first) and not preloaded.restart_in(first)  # past RESTARTS: a fresh process
+    finally:
+        preloaded.close()
+
+
 def test_a_forked_scenario_sees_its_own_vllm_cache_root(server, tmp_path):
     """The compile-form tests give each engine an empty cache: a forked child must not see the server's."""
     script = tmp_path / "cache_root.py"

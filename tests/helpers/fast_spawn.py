@@ -74,8 +74,14 @@ def _existing_dirs(value: str) -> str:
     return os.pathsep.join(d for d in value.split(os.pathsep) if d and os.path.isdir(d))
 
 
+def read_when_used(name: str) -> bool:
+    """A variable nothing reads at interpreter start or import (``READ_WHEN_USED``, and the prefixes of this
+    package's own variables and the tests')."""
+    return name in READ_WHEN_USED or name.startswith(_READ_WHEN_USED_PREFIXES)
+
+
 def _relevant(env: dict[str, str]) -> dict[str, str]:
-    kept = {k: v for k, v in env.items() if k not in READ_WHEN_USED and not k.startswith(_READ_WHEN_USED_PREFIXES)}
+    kept = {k: v for k, v in env.items() if not read_when_used(k)}
     if "LD_LIBRARY_PATH" in kept:
         kept["LD_LIBRARY_PATH"] = _existing_dirs(kept["LD_LIBRARY_PATH"])
     for name, valid in (("OMP_NUM_THREADS", str.isdigit), ("GOMP_CPU_AFFINITY", _cpu_ids)):
@@ -97,7 +103,7 @@ def differences(env: dict[str, str], launch: dict[str, str] | None = None) -> li
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     """``TM_FAST_SPAWN_LOG``: 1 prints each decision to stderr, a path appends it to that file."""
     target = os.environ.get("TM_FAST_SPAWN_LOG")
     if not target or target == "0":
@@ -120,7 +126,7 @@ def _learn(env: dict[str, str]) -> None:
             json.dump(env, handle)
         os.replace(partial, LEARN_FILE)
     except OSError as exc:  # best effort: the server then starts no forkserver of its own
-        _log(f"could not write {LEARN_FILE}: {exc}")
+        log(f"could not write {LEARN_FILE}: {exc}")
 
 
 def _popen(process_obj):
@@ -133,13 +139,13 @@ def _popen(process_obj):
         differ = [] if _start_own(env) else differ
     if not differ:
         global _FORKING
-        _log(f"forked {process_obj.name}")
+        log(f"forked {process_obj.name}")
         _FORKING = True
         try:
             return popen_forkserver.Popen(process_obj)
         finally:
             _FORKING = False
-    _log(f"spawned {process_obj.name}: its environment differs from the forkserver's in {differ}")
+    log(f"spawned {process_obj.name}: its environment differs from the forkserver's in {differ}")
     return popen_spawn_posix.Popen(process_obj)
 
 
@@ -262,9 +268,9 @@ def start_forkserver(learned: str) -> bool:
         os.environ.update(saved)
     if probe.exitcode != 0:
         LAUNCH_ENV = None
-        _log(f"the forkserver is not set up (its probe exited {probe.exitcode}): spawns stay spawns")
+        log(f"the forkserver is not set up (its probe exited {probe.exitcode}): spawns stay spawns")
         return False
-    _log(f"started a forkserver (pid {server._forkserver_pid})")
+    log(f"started a forkserver (pid {server._forkserver_pid})")
     return True
 
 

@@ -8,9 +8,11 @@ gpt2 kind: 25 s as a fresh process, 11 s as a forked child (the server's imports
 imported heap is frozen before the first fork (``freeze_the_imported_heap``): vLLM's collections then skip it.
 
 A child is only forked when it would have seen what a fresh process sees: the request's environment equals
-the one the libraries were imported under (``TM_*`` variables aside, which only tests read, and
-``_READ_WHEN_USED``, which nothing reads at import), so a setting
-vLLM reads at import time cannot differ. Anything else runs as a fresh process, as before.
+the one the libraries were imported under, apart from the variables nothing reads at import
+(``fast_spawn.read_when_used``), so a setting vLLM reads at import time cannot differ. Where an earlier test
+left another setting in the worker's environment, the server is started again in the new one (a few times a
+session, ``Preloaded.restart_in``); past that, a scenario runs as a fresh process, as before. vLLM's own engine
+and worker processes, which it spawns, are forked too where they can be (``helpers.fast_spawn``).
 
 Run as a script, this file is the server: JSON requests on stdin, JSON replies on the pipe it was given.
 """
@@ -25,6 +27,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+if __name__ == "__main__":  # the server's script: tests/, not tests/helpers, first on the path, so that
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)  # ``helpers.fast_spawn`` is one module here too
+
+from helpers.fast_spawn import log as log_fast_spawn  # noqa: E402
+from helpers.fast_spawn import read_when_used  # noqa: E402
 
 #: Imported once by the server, before any fork. Importing them must start no thread and read no setting a
 #: scenario changes before its own imports (vLLM reads its settings and CPU probes when they are used).
@@ -43,19 +51,20 @@ PRELOAD = (
     "tensorizer_manifest.vllm_integration.plugin",
 )
 
-#: Variables only the tests read (``TM_*``, and pytest's name for the running test): a request may differ
-#: from the server in these and still be forked.
-_TEST_ONLY = ("TM_", "PYTEST_CURRENT_TEST")
-#: vLLM settings read only where they are used (``vllm.envs`` looks each up when asked, and caches them from the
-#: engine's start on, in the child): the compile-form tests give every engine an empty cache of its own.
-_READ_WHEN_USED = ("VLLM_CACHE_ROOT",)
-
 
 def _same_environment(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Equal in every variable that something may read at import (``fast_spawn.read_when_used``: those that are
+    read only when used may differ; a forked child is given its own)."""
+
     def relevant(env):
-        return {k: v for k, v in env.items() if not k.startswith(_TEST_ONLY) and k not in _READ_WHEN_USED}
+        return {k: v for k, v in env.items() if not read_when_used(k)}
 
     return relevant(a) == relevant(b)
+
+
+def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """The variables that keep ``a`` from being forked by a server started in ``b`` (for the log)."""
+    return sorted(k for k in a.keys() | b.keys() if not read_when_used(k) and a.get(k) != b.get(k))
 
 
 class Preloaded:
@@ -68,6 +77,7 @@ class Preloaded:
         self._server: subprocess.Popen | None = None
         self._replies: int | None = None  # the read end of the reply pipe
         self._pending = b""
+        self._restarts = 0
         self.log = Path(tempfile.gettempdir()) / f"preloaded-scenarios-{os.getpid()}.log"
 
     def _start(self) -> None:
@@ -99,8 +109,25 @@ class Preloaded:
         line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
+    #: How many times a server may be replaced by one in another environment (``restart_in``).
+    RESTARTS = 3
+
     def can_run(self, env: dict[str, str]) -> bool:
+        """Whether the running server (or the next one started) forks a scenario in ``env``."""
         return self.env is None or _same_environment(env, self.env)
+
+    def restart_in(self, env: dict[str, str]) -> bool:
+        """Where ``env`` cannot be forked (an earlier test left a setting in the worker's environment, say): the
+        server is replaced by one started in ``env``, up to ``RESTARTS`` times a session, and True. Else False:
+        the scenario runs as a fresh process."""
+        differ = differing(env, self.env or {})
+        if self._restarts >= self.RESTARTS:
+            log_fast_spawn(f"a scenario runs as a fresh process: its environment differs in {differ}")
+            return False
+        log_fast_spawn(f"the preloaded server restarts: the next scenario's environment differs in {differ}")
+        self.close()
+        self.env, self._server, self._restarts = None, None, self._restarts + 1
+        return True
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         """``argv[0]`` is the script; its output is returned as text, like ``subprocess.run(capture_output=True)``."""
@@ -184,8 +211,6 @@ def _serve(reply_fd: int) -> None:
     freeze_the_imported_heap()
     if threading.active_count() != 1:  # a thread in the parent would be a lock held forever in a child
         raise RuntimeError(f"preloading started threads: {threading.enumerate()}")
-    tests_dir = str(Path(__file__).resolve().parent.parent)
-    sys.path.insert(0, tests_dir)
     from helpers import fast_spawn  # as the forkserver names it, so that what is pickled resolves there
 
     learned = None
