@@ -37,11 +37,9 @@ READ_WHEN_USED = (
     "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME",
     "LOCAL_WORLD_SIZE",
 )
-_READ_WHEN_USED_PREFIXES = (
-    "TM_",
-    "PYTEST_CURRENT_TEST",
-    "TENSORIZER_MANIFEST_",
-)  # prefixes: read when used, or by tests
+#: Prefixes of the same: the tests' own, this package's, and boto's (read when a session is made; the tests point
+#: them at their S3 server, or at nothing, test by test).
+_READ_WHEN_USED_PREFIXES = ("TM_", "PYTEST_CURRENT_TEST", "TENSORIZER_MANIFEST_", "AWS_")
 #: Read by libgomp when torch loads it, so a spawned interpreter starts with them; a forked child is given them by
 #: hand (``_start_threads_as_spawned``) where they have the form vLLM writes (a count; CPU ids, spaces between).
 OPENMP_AT_START = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")
