@@ -1,4 +1,4 @@
-"""What the layout-free base costs (#34): its disk per kind, and the start at a new layout through it.
+"""What the layout-free base costs: its disk per kind, and the start at a new layout through it.
 
     .venv/bin/python benchmarks/bench_base.py                   # medium models, 3 rounds
     .venv/bin/python benchmarks/bench_base.py --rounds 5 --kinds llama

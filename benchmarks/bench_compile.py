@@ -1,4 +1,4 @@
-"""Time to ready (#35): a cold compiling engine against one started with the checkpoint's compile form.
+"""Time to ready: a cold compiling engine against one started with the checkpoint's compile form.
 
     .venv/bin/python benchmarks/bench_compile.py                        # tiny and real size, 3 rounds
     .venv/bin/python benchmarks/bench_compile.py --sizes tiny --rounds 5

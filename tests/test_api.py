@@ -90,7 +90,7 @@ def test_no_pickle_anywhere_in_the_package():
 
 
 def test_the_public_surface_is_the_one_before_the_folders():
-    """#26 moved every module into folders: what a user names (``__all__`` and its signatures, the commands and
+    """When every module moved into folders: what a user names (``__all__`` and its signatures, the commands and
     their options, the entry points, the worker extension, the manifest schema) is unchanged."""
     import json
 

@@ -114,7 +114,7 @@ class FormSet(_Struct3, kw_only=True):
 
 
 class BaseRef(_Struct3, kw_only=True):
-    """The layout-free base: the source's tensors under the source's names (#34), in the checkpoint (``inside``)
+    """The layout-free base: the source's tensors under the source's names, in the checkpoint (``inside``)
     or in the source's own files, named with their hashes (``reference``)."""
 
     mode: BaseMode
@@ -149,7 +149,7 @@ class SourceFiles(_Struct3, kw_only=True):
 
 
 class BaseDocument(_Struct3, kw_only=True):
-    """The layout-free base (#34): the source's tensors as vLLM's default loader reads them, under the names the
+    """The layout-free base: the source's tensors as vLLM's default loader reads them, under the names the
     model's ``load_weights`` takes, and which module each one was observed to fill.
 
     A loader whose layout, machine or vLLM fits no form set feeds a layer the tensors that ``consumers`` say it
@@ -189,7 +189,7 @@ class CompileFile(_Struct3, kw_only=True):
 
 
 class CompileForm(_Struct3, kw_only=True):
-    """What a cold engine of one machine kind would compile (#35): used only under a verified seal."""
+    """What a cold engine of one machine kind would compile: used only under a verified seal."""
 
     machine: list[str]
     vllm_version: str

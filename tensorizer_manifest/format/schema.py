@@ -338,7 +338,7 @@ class Manifest(_Struct, kw_only=True):
 
 
 def held_by_base(record: TensorRecord) -> bool:
-    """Whether this record's bytes are not in its tensor file but in the generation's base (#34): a tensor with
+    """Whether this record's bytes are not in its tensor file but in the generation's base: a tensor with
     bytes, no key and no alias. A form set stores only what vLLM's step changed; a layer whose tensors are what
     vLLM's weight loaders make from the source (a raw layer, one the step left alone, a raw fallback) is fed
     from the base at load, and its records keep the names, forms and content hashes it must come back with."""

@@ -1,4 +1,4 @@
-"""Compile forms at load (#35): what a cold engine would compile, placed where vLLM looks before it compiles.
+"""Compile forms at load: what a cold engine would compile, placed where vLLM looks before it compiles.
 
 A compile form is code (pickles, generated Python and C++, shared objects) that vLLM would run without a check of
 its own, and its cache key does not cover the CPU's instruction set. So one is used only where all of these hold,

@@ -1,4 +1,4 @@
-"""Loading layers from the layout-free base (#34): the source's tensors, through the model's own ``load_weights``.
+"""Loading layers from the layout-free base: the source's tensors, through the model's own ``load_weights``.
 
 A generation whose form sets have no manifest for this engine's layout and rank (saved at TP=1, loaded at TP=2
 or at two pipeline stages) is loaded the way vLLM's default loader loads the source it came from: the model's

@@ -1,4 +1,4 @@
-"""Which source tensor fills which module of a live vLLM model, observed while vLLM's loader runs (#34's base).
+"""Which source tensor fills which module of a live vLLM model, observed while vLLM's loader runs (for the base).
 
 What a loader of the layout-free base must know is which source tensors a layer needs, so that it reads only
 those: that is *observed* here, never guessed from names. Each parameter's ``weight_loader`` (and the

@@ -1,4 +1,4 @@
-"""``add-form --compile``: what a cold engine of this machine kind compiles, kept in the checkpoint (#35).
+"""``add-form --compile``: what a cold engine of this machine kind compiles, kept in the checkpoint.
 
 An engine starts here on the checkpoint, compiling as it would when serving (the settings given here must be the
 serving engine's: they shape the graph, and a load uses the form only where vLLM's hash of them is equal). Its

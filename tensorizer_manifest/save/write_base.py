@@ -1,4 +1,4 @@
-"""The layout-free base (#34), written at the save from the source the engine loaded.
+"""The layout-free base, written at the save from the source the engine loaded.
 
 A base is what vLLM's own loader reads from the source (the HF safetensors files), under the names the model's
 ``load_weights`` takes: fed back through ``load_weights`` at another parallel layout, on another machine or

@@ -1,4 +1,4 @@
-"""A compile form's files as one archive of the generation (#35): written once, read only through its hashes.
+"""A compile form's files as one archive of the generation: written once, read only through its hashes.
 
 The archive is the files of a compile cache directory, concatenated in path order; the generation's
 ``CompileForm.files`` names each one (its path inside the directory, offset, size, blake3). The files are code:

@@ -1,4 +1,4 @@
-"""A base by reference (#34): the source's own safetensors files, read in place of a base tensor file.
+"""A base by reference: the source's own safetensors files, read in place of a base tensor file.
 
 ``save --base reference`` writes no copy of the source: the base document names the source's safetensors files,
 their sizes, and which base tensors each holds (``format.generation.SourceFiles``); every tensor keeps its record

@@ -1,4 +1,4 @@
-"""The light commands as a person types them (#47 item 1): the installed ``tensorizer-manifest`` on a real terminal
+"""The light commands as a person types them: the installed ``tensorizer-manifest`` on a real terminal
 and piped, with and without ``--json``, on a local checkpoint and on S3 (moto). Each ends with exit 0 and its
 summary when it did its work, and with one ``error:`` line and exit 1 (2 for a usage error) when it did not; never
 a traceback, never a credential. The commands that start vLLM (``save``, ``add-form``) are typed on a terminal by

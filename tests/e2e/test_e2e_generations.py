@@ -1,5 +1,5 @@
 """Format version 3 on real vLLM: a save is one generation; a TP=2 engine's ranks agree on one generation while
-a re-save of another model commits (the race of #33, made deterministic with a named pause)."""
+a re-save of another model commits (a loader racing a writer, made deterministic with a named pause)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Many nodes (issue #19, item 3): vLLM's own multi-node launcher, tensor-parallel over two nodes on this
+"""Many nodes: vLLM's own multi-node launcher, tensor-parallel over two nodes on this
 machine, each rank loading its own manifest and tensor file from one S3 bucket (moto on 127.0.0.1),
 token-exact against vLLM's default loader on the same layout. The scenario starts and stops every process
 it needs, within a bounded time."""

@@ -1,4 +1,4 @@
-"""A model of real size (issue #17, item 6): Llama-3.2-1B's shape with random weights, 2.47 GB of bf16,
+"""A model of real size: Llama-3.2-1B's shape with random weights, 2.47 GB of bf16,
 128k context and llama3 rope scaling in its config (``helpers.real_size``).
 
 One scenario process (``scenarios/real_size.py``) builds it once in the session's directory, saves it
@@ -75,7 +75,7 @@ def vllms_second_copies_mib(checkpoint: Path) -> float:
 
 @pytest.mark.parametrize("what", ["save", "base_load"])
 def test_peaks_within_1_3_x_the_model_plus_vllms_baseline(real_size, what):
-    """The save (with its base), and a load of every layer through the base (#34: a rank reads its layers' base
+    """The save (with its base), and a load of every layer through the base (a rank reads its layers' base
     tensors as they come, into the model's own parameters), within the save's bound."""
     assert real_size[what]["peak_anon_mb"] <= real_size[what]["peak_rss_mb"]  # a sampled part of the whole
     peak = real_size[what]["peak_anon_mb"]

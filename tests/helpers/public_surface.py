@@ -1,4 +1,4 @@
-"""What a user of this package can name, in one JSON document: the snapshot #26's moves are checked against.
+"""What a user of this package can name, in one JSON document: the snapshot that moves of modules are checked against.
 
 A user names the package through ``tensorizer_manifest.__all__`` (each name's kind and signature), the error
 hierarchy, the ``tensorizer-manifest`` commands and their options, the entry points in ``pyproject.toml``
@@ -7,7 +7,7 @@ load formats) and the manifest format (its JSON schema). Module paths inside the
 they are free to move.
 
 ``tests/fixtures/public-surface.json`` was written by ``python tests/helpers/public_surface.py`` before the
-folders of #26 existed; ``tests/test_api.py`` compares the live surface with it. Rewrite the fixture only for a
+folders existed; ``tests/test_api.py`` compares the live surface with it. Rewrite the fixture only for a
 deliberate change of the public API, and say so in the commit.
 """
 

@@ -1,4 +1,4 @@
-"""A model of real size: Llama-3.2-1B's shape with random weights (issue #17, item 6).
+"""A model of real size: Llama-3.2-1B's shape with random weights.
 
 Built by ``tiny.build_tiny_model`` as the ``llama3-128k`` family kind (128k context, llama3 rope
 scaling) at Llama-3.2-1B's sizes: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads

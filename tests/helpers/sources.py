@@ -1,4 +1,4 @@
-"""A toy model whose ``load_weights`` does what vLLM's models do, for the base's unit tests (#34): a stacked
+"""A toy model whose ``load_weights`` does what vLLM's models do, for the base's unit tests: a stacked
 parameter filled from two source tensors through its ``weight_loader``, a parameter without one through
 ``default_weight_loader``, a source tensor nothing takes. No engine: the claims on real vLLM models are the
 end-to-end tests' (``test_e2e_base``)."""

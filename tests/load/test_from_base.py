@@ -1,4 +1,4 @@
-"""Loading from the base (#34): only this rank's layers' tensors are read, checked, and every parameter those
+"""Loading from the base: only this rank's layers' tensors are read, checked, and every parameter those
 layers took at the save is filled again, or nothing is served (``helpers.sources``' toy model)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The source observer (#34's base): which source tensor filled which module, seen through the weight loaders
+"""The source observer (for the base): which source tensor filled which module, seen through the weight loaders
 (``helpers.sources``' toy model)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ depend on AMX) runs vLLM's own ``process_weights_after_loading`` on a random bf1
 project's snapshots diff it as the capture does. The restorer must cover exactly that diff, and a fresh
 layer given the saved tensors (laid out as the loader lays them out) must, after replay and without the
 split, hold the same projections, compute the same absorbed products and have the same scale floats.
-The engine-level proof (tokens, every tensor bitwise, the step not run) is the scratch script of issue #17;
+The engine-level proof (tokens, every tensor bitwise, the step not run) was a scratch script;
 no end-to-end test covers an MLA model yet, so the restorer stays unverified.
 """
 

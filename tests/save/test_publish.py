@@ -115,7 +115,7 @@ def _beside_another_release(root, saved, release: str) -> g.Generation:
 
 
 def test_each_release_reads_its_own_form_set_at_one_layout_and_an_added_form_goes_to_its_own(tmp_path, source):
-    """#47: a checkpoint follows its fleet's upgrades. Two form sets at one layout, made by two vLLM releases: each
+    """A checkpoint follows its fleet's upgrades. Two form sets at one layout, made by two vLLM releases: each
     release's loader reads its own (the newest where it has none), an added form by one release's engine changes only
     that release's form set, and the whole stays valid."""
     from tensorizer_manifest.storage.checkpoint import form_set_of, has_rank

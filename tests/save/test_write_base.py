@@ -1,4 +1,4 @@
-"""Writing the base (#34): the source read again must be the source the engine loaded, tensor for tensor."""
+"""Writing the base: the source read again must be the source the engine loaded, tensor for tensor."""
 
 from __future__ import annotations
 

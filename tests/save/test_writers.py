@@ -1,4 +1,4 @@
-"""Writers racing each other on one checkpoint, as real processes (issue #25 item 2).
+"""Writers racing each other on one checkpoint, as real processes.
 
 Every commit of a manifest is a compare-and-swap on the manifest the writer started from
 (``write.commit_manifest``, under ``write.manifest_lock``): of two writers that started from one manifest, one

@@ -1,4 +1,4 @@
-"""The layout-free base (#34) on real vLLM: a checkpoint saved at one parallel layout, loaded at others.
+"""The layout-free base on real vLLM: a checkpoint saved at one parallel layout, loaded at others.
 
 Every load is compared with vLLM's default loader at the *loading* layout, from the source model: greedy tokens,
 and every rank's whole state (each parameter and persistent buffer, blake3), with each rank's load report.

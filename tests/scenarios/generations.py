@@ -3,7 +3,7 @@
 One rank (Llama): a save with ``format_version=3`` loads token-exact against the engine it was saved from (vLLM's
 default loader, observed), and a tokenizer of another save at the top is refused by name.
 
-Two ranks (Qwen3, TP=2), the race of #33: a loader's engine starts on save A and both its ranks pause once they
+Two ranks (Qwen3, TP=2), a loader racing a writer: a loader's engine starts on save A and both its ranks pause once they
 agreed on a generation (``TENSORIZER_MANIFEST_PAUSE_AT=after-agreement``); a re-save of another model B commits
 meanwhile, then a second re-save (C, B's weights committed again through the writers' API) and a ``gc`` run;
 released, the loader must answer as A (both ranks report A's generation), and a fresh load then answers as B's

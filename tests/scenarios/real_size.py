@@ -8,7 +8,7 @@ Usage: python tests/scenarios/real_size.py WORKDIR [--max-tokens N]
 
 Steps: build the model once in WORKDIR (``helpers.real_size``); in fresh processes that only save (each
 beside other work of this scenario, to keep its wall time down: peak RSS does not depend on CPU time),
-``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 and ``base="inside"`` only; #34),
+``save_checkpoint`` with no context, KV-cache or engine flags (dtype bfloat16 and ``base="inside"`` only),
 each measuring its own peak anonymous memory (``helpers.real_size.AnonymousPeak``) and peak RSS (``VmHWM``; not
 ``ru_maxrss``, which a child inherits from its parent): once for this model, once for the tests' tiny Llama
 (3.4 MB of weights: the baseline, everything a save costs but the weights); greedy tokens with vLLM's default

@@ -1,4 +1,4 @@
-"""Checkpoints crossing vLLM releases through their base (#34): run in each release's environment.
+"""Checkpoints crossing vLLM releases through their base: run in each release's environment.
 
 Usage: python tests/scenarios/release_crossing.py WORKDIR [--save [--without-base-too]] [--load OTHER_RELEASE_DIR]
 

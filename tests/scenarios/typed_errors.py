@@ -1,4 +1,4 @@
-"""A typed error raised in vLLM's engine processes reaches the caller of ``LLM()`` as that error (#47).
+"""A typed error raised in vLLM's engine processes reaches the caller of ``LLM()`` as that error.
 
 Usage: python tests/scenarios/typed_errors.py CHECKPOINT WORKDIR
 

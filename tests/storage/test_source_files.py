@@ -1,4 +1,4 @@
-"""A base by reference (#34): the source's safetensors files named at the save, checked and read at load."""
+"""A base by reference: the source's safetensors files named at the save, checked and read at load."""
 
 from __future__ import annotations
 
