@@ -78,7 +78,7 @@ class Preloaded:
         self._replies: int | None = None  # the read end of the reply pipe
         self._pending = b""
         self._restarts = 0
-        self.log = Path(tempfile.gettempdir()) / f"preloaded-scenarios-{os.getpid()}.log"
+        self.log = Path(tempfile.gettempdir()) / f"preloaded-scenarios-{os.getpid()}-{id(self):x}.log"  # its own
 
     def _start(self) -> None:
         read_end, write_end = os.pipe()
@@ -110,7 +110,7 @@ class Preloaded:
         return json.loads(line)
 
     #: How many times a server may be replaced by one in another environment (``restart_in``).
-    RESTARTS = 3
+    RESTARTS = 6
 
     def can_run(self, env: dict[str, str]) -> bool:
         """Whether the running server (or the next one started) forks a scenario in ``env``."""
