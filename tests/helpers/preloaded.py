@@ -55,11 +55,7 @@ PRELOAD = (
 def _same_environment(a: dict[str, str], b: dict[str, str]) -> bool:
     """Equal in every variable that something may read at import (``fast_spawn.read_when_used``: those that are
     read only when used may differ; a forked child is given its own)."""
-
-    def relevant(env):
-        return {k: v for k, v in env.items() if not read_when_used(k)}
-
-    return relevant(a) == relevant(b)
+    return not differing(a, b)
 
 
 def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
