@@ -187,10 +187,15 @@ def _is_noop_statement(statement: ast.stmt) -> bool:
 
 
 def build_inventory() -> Inventory:
-    """Import vLLM's packages (quietly) and classify every class with a post-load step, its own or a vLLM base's."""
-    quiet = logging.getLogger("vllm")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    """Import vLLM's packages (quietly: vLLM's and transformers' warnings about what this machine lacks, such as
+    torchvision for a multimodal model's image processor, say nothing about post-load steps) and classify every
+    class with a post-load step, its own or a vLLM base's."""
+    import transformers  # noqa: F401  (vLLM imports it anyway; imported later, it would set its level back)
+
+    quiet = [logging.getLogger(name) for name in ("vllm", "transformers")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
     seen: dict[str, KernelEntry] = {}
     unimportable = []
     try:
@@ -206,7 +211,8 @@ def build_inventory() -> Inventory:
                         if entry is not None:
                             seen[entry.vllm_class] = entry
     finally:
-        quiet.setLevel(level)
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
     entries = sorted(seen.values(), key=lambda e: (e.family, e.strategy != STRATEGY_RESTORER, e.vllm_class))
     return Inventory(_vllm_compat.vllm_version(), entries, sorted(unimportable))
 

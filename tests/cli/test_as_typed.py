@@ -132,6 +132,28 @@ def test_what_cannot_be_done_is_one_error_line_and_its_exit_code(checkpoints, ho
         assert "Traceback" not in said, said[-3000:]
 
 
+@pytest.mark.parametrize("how", ["terminal", "json"])
+def test_kernels_lists_this_vllms_classes_with_no_word_about_other_hardware(how):
+    """The inventory imports every vLLM module: what one cannot use here (a multimodal processor without
+    torchvision, another platform's kernels) is counted on the last line, not warned about above the table."""
+    from vllm import __version__ as vllm_version
+
+    from tensorizer_manifest.restorers import RESTORERS
+
+    code, said = _run(how, "kernels", env={})
+    _ended_well(code, said, secret="no secret here")
+    assert "[transformers]" not in said and "WARNING" not in said, said[:3000]
+    ours = {name for name, restorer in RESTORERS.items() if restorer.verified_for("cpu")}
+    if how == "json":
+        inventory = json.loads(said)
+        assert inventory["vllm_version"] == vllm_version
+        assert ours <= {entry["restorer"] for entry in inventory["entries"]}, inventory["entries"]
+    else:
+        assert said.startswith(f"vLLM {vllm_version}: classes with a post-load step"), said[:500]
+        assert all(name in said for name in ours), (ours, said[:3000])
+        assert re.search(r"\d+ vLLM modules do not import here \(other hardware\); not listed$", said), said[-500:]
+
+
 def test_schema_is_the_same_json_on_a_terminal_and_piped():
     shown = typed("schema", timeout=120)
     written = piped("schema", timeout=120)
