@@ -137,6 +137,7 @@ def _build_tokenizer(out: Path, vocab_size: int) -> None:
         vocab_size=vocab_size - 8,
         special_tokens=["<|endoftext|>", "<|pad|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # a few milliseconds: bars on a terminal would only be noise
     )
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
@@ -216,7 +217,7 @@ def _random_model(kind: str, vocab_size: int, seed: int, overrides: dict | None 
 
     config = _config(kind, vocab_size, overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim >= 2:

@@ -36,12 +36,14 @@ class Typed:
         return lines[-1] if lines else ""
 
 
-def in_terminal(argv: list[str], env: dict[str, str] | None = None, timeout: float = 1200) -> Typed:
-    """Run ``argv`` with stdin, stdout and stderr on one pseudo-terminal of 200 columns, as typed into one."""
+def in_terminal(argv: list[str], env: dict[str, str | None] | None = None, timeout: float = 1200) -> Typed:
+    """Run ``argv`` with stdin, stdout and stderr on one pseudo-terminal of 200 columns, as typed into one.
+    ``env`` adds variables to this environment; a None value takes one out."""
     import pty
 
     leader, follower = pty.openpty()
-    environ = {**os.environ, "COLUMNS": "200", "TERM": "xterm", **(env or {})}
+    merged = {**os.environ, "COLUMNS": "200", "TERM": "xterm", **(env or {})}
+    environ = {name: value for name, value in merged.items() if value is not None}
     proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=environ)
     os.close(follower)
     chunks, deadline = [], time.monotonic() + timeout
@@ -68,7 +70,7 @@ def in_terminal(argv: list[str], env: dict[str, str] | None = None, timeout: flo
     return Typed(returncode, _ESCAPES.sub("", b"".join(chunks).decode(errors="replace")))
 
 
-def typed(*args: str, env: dict[str, str] | None = None, timeout: float = 1200) -> Typed:
+def typed(*args: str, env: dict[str, str | None] | None = None, timeout: float = 1200) -> Typed:
     """``tensorizer-manifest ARGS...`` (the installed script) on a terminal."""
     return in_terminal([str(INSTALLED), *args], env=env, timeout=timeout)
 
