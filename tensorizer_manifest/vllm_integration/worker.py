@@ -18,7 +18,7 @@ from .._constants import LOAD_FORMAT, SPILL_DIR_ENV
 from .._error_relay import relaying
 from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, TensorizerManifestError
-from ..format.generation import Layout
+from ..format.generation import FormSet, Layout
 from ..format.schema import MANIFEST_SUFFIX, REPLAY_NONE, REPLAY_POST_LOAD
 from ..progress import terminal_progress
 from ..save import publish
@@ -161,7 +161,7 @@ class ManifestWorkerExtension:
         if format_version not in (2, 3):
             raise ConfigurationError(f"format_version must be 2 or 3, not {format_version!r}")
         if format_version == 3:
-            return self._tm_publish(
+            return self._tm_save_generation(
                 output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
                 fallbacks, base_reference,
             )  # fmt: skip
@@ -200,7 +200,7 @@ class ManifestWorkerExtension:
                 _release(model, capture)
         return _save_summary(manifest, output_dir, capture.stem)
 
-    def _tm_publish(
+    def _tm_save_generation(
         self, output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
         fallbacks, base_reference=False,
     ) -> dict:  # fmt: skip
@@ -248,7 +248,7 @@ class ManifestWorkerExtension:
                 lambda: publish.commit(
                     publication,
                     made_by="save",
-                    form_sets=[self._tm_form_set(publication, capture)],
+                    form_sets=[self._tm_layout_form_set(publication, capture)],
                     model_files=publish.copy_model_files(publication, Path(str(self.vllm_config.model_config.model))),
                     base=None if base is None else publish.base_entry(publication, *base),
                     signing_key=signing_key,
@@ -267,13 +267,13 @@ class ManifestWorkerExtension:
             "base": None if base is None else _base_summary(base[1]),
         }
 
-    def _tm_form_set(self, publication: publish.Publication, capture: Capture):
+    def _tm_layout_form_set(self, publication: publish.Publication, capture: Capture) -> FormSet:
         """This engine's layout as a form set: every rank's manifest in the publication's folder, by its bytes."""
         parallel = self.vllm_config.parallel_config
         layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
         return publish.layout_form_set(publication, layout, capture.fingerprint)
 
-    def _tm_publish_layout(self, checkpoint_dir, model, capture, signing_key, encryption_key) -> dict:
+    def _tm_add_layout_form_set(self, checkpoint_dir, model, capture, signing_key, encryption_key) -> dict:
         """``add_tensorizer_manifest_form`` by an engine that loaded from the base (no form set at its layout): what
         vLLM's steps made here becomes this layout's form set, in a new generation over the one it loaded, which
         keeps that one's form sets, model files and base; every rank writes its manifest, all vote, the first rank
@@ -301,7 +301,7 @@ class ManifestWorkerExtension:
                     publication,
                     generation,
                     made_by="add-form",
-                    form_sets=[*generation.form_sets, self._tm_form_set(publication, capture)],
+                    form_sets=[*generation.form_sets, self._tm_layout_form_set(publication, capture)],
                     signing_key=signing_key,
                     encryption_key=encryption_key,
                 ),
@@ -348,14 +348,14 @@ class ManifestWorkerExtension:
         """Add this engine's processed form of the layers it loaded through their raw fallback to this rank's
         manifest in ``checkpoint_dir`` (the engine must have loaded it with ``add_form`` in
         ``model_loader_extra_config``). An engine that loaded the checkpoint from its base (a layout no form set
-        has) adds this layout's whole form set instead (``_tm_publish_layout``). Nothing is written when no layer
-        fell back, or none a verified restorer covers here."""
+        has) adds this layout's whole form set instead (``_tm_add_layout_form_set``). Nothing is written when no
+        layer fell back, or none a verified restorer covers here."""
         signing_key = signing_key_from(signing_key_file)
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
         layout_form = getattr(model, LAYOUT_FORM_ATTR, None)
         if layout_form is not None:  # loaded from the base: this whole layout's form set
-            return self._tm_publish_layout(checkpoint_dir, model, layout_form, signing_key, encryption_key)
+            return self._tm_add_layout_form_set(checkpoint_dir, model, layout_form, signing_key, encryption_key)
         observed = getattr(model, ADDED_FORM_ATTR, None)
         if observed is None:
             raise TensorizerManifestError(
@@ -366,8 +366,10 @@ class ManifestWorkerExtension:
         result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
         generation = getattr(model, GENERATION_ATTR, None)
         if generation is not None:
-            published = self._tm_publish_form(checkpoint_dir, generation, capture, loaded, signing_key, encryption_key)
-            result.update(published)
+            result.update(
+                self._tm_add_form_to_generations(checkpoint_dir, generation, capture, loaded, signing_key,
+                                                 encryption_key)
+            )  # fmt: skip
         elif capture.layers:
             manifest = write_added_form(
                 capture,
@@ -382,7 +384,9 @@ class ManifestWorkerExtension:
         delattr(model, ADDED_FORM_ATTR)
         return result
 
-    def _tm_publish_form(self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key) -> dict:
+    def _tm_add_form_to_generations(
+        self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key
+    ) -> dict:
         """``add_tensorizer_manifest_form`` on a checkpoint of format version 3: a new generation over the one this
         engine loaded, in which the ranks that added a form have a new manifest (naming the save's tensor files
         where the save keeps them) and the others keep theirs; committed once by the first rank, only if the
