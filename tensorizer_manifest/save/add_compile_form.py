@@ -103,12 +103,10 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
     form = CompileForm(**identity, aot=False, archive=archive, files=files)  # identity: ``EngineCompile``'s fields
     kept = [f for f in generation.compile_forms if (f.machine, f.vllm_version, f.torch_version, f.config_hash)
             != (form.machine, form.vllm_version, form.torch_version, form.config_hash)]  # fmt: skip
-    committed = publish.commit(
+    committed = publish.commit_over(
         publication,
+        generation,
         made_by="add-form-compile",
-        form_sets=generation.form_sets,
-        model_files=publish.carry_model_files(publication, generation),
-        base=generation.base,
         compile_forms=[*kept, form],
         signing_key=signing_key,
         encryption_key=encryption_key,

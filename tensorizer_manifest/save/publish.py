@@ -176,8 +176,38 @@ def commit(
     return generation
 
 
+def commit_over(
+    publication: Publication,
+    parent: Generation,
+    *,
+    made_by: MadeBy,
+    form_sets: list[FormSet] | None = None,
+    compile_forms: list[CompileForm] | None = None,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+) -> Generation:
+    """``commit`` of a write that changes only ``parent``'s form sets or its compile forms (an add-form): the new
+    generation keeps ``parent``'s model files (copied into its folder), its base, and whichever of the two this
+    write leaves as they were."""
+    return commit(
+        publication,
+        made_by=made_by,
+        form_sets=parent.form_sets if form_sets is None else form_sets,
+        model_files=carry_model_files(publication, parent),
+        base=parent.base,
+        compile_forms=parent.compile_forms if compile_forms is None else compile_forms,
+        signing_key=signing_key,
+        encryption_key=encryption_key,
+    )
+
+
 def form_set(layout: Layout, fingerprint: Fingerprint, ranks: list[RankRef]) -> FormSet:
     return FormSet(layout=layout, fingerprint=fingerprint, ranks=ranks)
+
+
+def layout_form_set(publication: Publication, layout: Layout, fingerprint: Fingerprint) -> FormSet:
+    """A layout's form set: every one of its ranks' manifests in the publication's folder, by its bytes."""
+    return form_set(layout, fingerprint, [rank_entry(publication, stem) for stem in layout_stems(layout)])
 
 
 def with_new_manifests(publication: Publication, parent: Generation, vllm_version: str | None = None) -> list[FormSet]:

@@ -5,7 +5,9 @@ add-form of the layers it loaded through their fallback, its load report and its
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from .._constants import LOAD_FORMAT, SPILL_DIR_ENV
 from .._error_relay import relaying
 from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, TensorizerManifestError
-from ..format.generation import Layout
+from ..format.generation import FormSet, Layout
 from ..format.schema import MANIFEST_SUFFIX, REPLAY_NONE, REPLAY_POST_LOAD
 from ..progress import terminal_progress
 from ..save import publish
@@ -36,7 +38,30 @@ from .loaders import (
 )
 
 
-def _first_rank_commits(commit: Callable[[], None], failed_elsewhere: str) -> None:
+@dataclass
+class _Part:
+    """This rank's part of a write every rank makes (``_every_rank_writes``), and what undoes it when another rank
+    failed to write its own (``undo``: a part already in place under its final name)."""
+
+    undo: Callable[[], None] = lambda: None
+
+
+@contextmanager
+def _every_rank_writes(failed_elsewhere: str) -> Iterator[_Part]:
+    """Every rank writes its part (the ``with`` block), then votes, a failed one too (its own error goes on up):
+    none goes on unless every rank wrote its part; elsewhere, its part undone, ``failed_elsewhere``."""
+    part, written = _Part(), False
+    try:
+        yield part
+        written = True
+    finally:
+        all_written = _vllm_compat.every_rank_succeeded(written)
+    if not all_written:
+        part.undo()
+        raise TensorizerManifestError(failed_elsewhere)
+
+
+def _first_rank_commits(commit: Callable[[], object], failed_elsewhere: str) -> None:
     """The first rank runs ``commit`` (a generation's one pointer swap); then every rank votes, so that the others
     learn whether it happened: there, its own error goes on up; elsewhere, ``failed_elsewhere``."""
     committed = False
@@ -48,6 +73,19 @@ def _first_rank_commits(commit: Callable[[], None], failed_elsewhere: str) -> No
         first_committed = _vllm_compat.every_rank_succeeded(committed or not first_rank())
     if not first_committed and not first_rank():
         raise TensorizerManifestError(failed_elsewhere)
+
+
+def _generation_save_id(generation_id: str) -> str | None:
+    """The save id (``Manifest.save_id``) the manifests of a generation's ranks carry: the random part of its id,
+    when the engine has more than one rank."""
+    return generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None
+
+
+def _release(model: torch.nn.Module, capture: Capture) -> None:
+    """A save's capture, done with: off the model, and its pre-step copies' disk space given back."""
+    if getattr(model, CAPTURE_ATTR, None) is capture:
+        delattr(model, CAPTURE_ATTR)
+    capture.close()
 
 
 def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
@@ -67,7 +105,12 @@ def _save_summary(manifest: Any, output_dir: str, stem: str) -> dict:
 
 class ManifestWorkerExtension:
     """Worker methods, reached with ``llm.collective_rpc(name, args=...)``. Those that write hand their typed errors
-    to the process that called them (``relaying``): vLLM passes only their text."""
+    to the process that called them (``relaying``): vLLM passes only their text.
+
+    Every write is the same three steps on every rank: the ids it needs drawn first, by the first rank for all
+    (while every rank is there and none has failed); each rank's part written, then a vote (``_every_rank_writes``);
+    then the commit: each rank its own manifest (format version 2), or the first rank the generation's pointer once
+    for all, and a second vote telling the others whether it did (``_first_rank_commits``)."""
 
     def _tm_model(self) -> torch.nn.Module:
         return _vllm_compat.worker_model(self)
@@ -118,16 +161,19 @@ class ManifestWorkerExtension:
         if format_version not in (2, 3):
             raise ConfigurationError(f"format_version must be 2 or 3, not {format_version!r}")
         if format_version == 3:
-            return self._tm_publish(
+            return self._tm_save_generation(
                 output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
                 fallbacks, base_reference,
             )  # fmt: skip
         save_id = _vllm_compat.shared_save_id()  # first: every rank is here, none has failed yet
         model = self._tm_model()
         capture = getattr(model, CAPTURE_ATTR, None)
-        prepared = None
         try:
-            try:
+            stem = rank_stem(self.vllm_config)  # the capture's, loaded or rebuilt
+            with _every_rank_writes(
+                f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
+                f"raised beside this one); {stem} committed nothing either, and the checkpoint is as it was"
+            ) as part:
                 signing_key = signing_key_from(signing_key_file)
                 encryption_key = encryption_key_from(encryption_key_file)
                 if capture is None:  # loaded by vLLM's default loader: its pre-step state is rebuilt from its source
@@ -144,28 +190,17 @@ class ManifestWorkerExtension:
                         progress=on_progress,
                         save_id=save_id,
                     )
-            finally:
-                # Every rank votes, a failed one too (its error goes on up): none commits unless all wrote their part.
-                if save_id is not None and not _vllm_compat.every_rank_succeeded(prepared is not None):
-                    if prepared is not None:
-                        prepared.abandon()
-                        raise TensorizerManifestError(
-                            f"{output_dir}: another rank of this engine failed to write its part of the save (its "
-                            f"error is raised beside this one); {capture.stem} committed nothing either, and the "
-                            "checkpoint is as it was"
-                        )
+                part.undo = prepared.abandon
             manifest = prepared.commit()
             source = Path(str(self.vllm_config.model_config.model))
             if first_rank() and source.is_dir():  # so that vLLM's `model` can be the checkpoint itself
                 copy_model_files(source, Path(output_dir))
         finally:
             if capture is not None and not keep_capture:
-                if getattr(model, CAPTURE_ATTR, None) is capture:
-                    delattr(model, CAPTURE_ATTR)
-                capture.close()
+                _release(model, capture)
         return _save_summary(manifest, output_dir, capture.stem)
 
-    def _tm_publish(
+    def _tm_save_generation(
         self, output_dir, keep_capture, signing_key_file, encryption_key_file, progress, portable, allow_unverified,
         fallbacks, base_reference=False,
     ) -> dict:  # fmt: skip
@@ -175,9 +210,12 @@ class ManifestWorkerExtension:
         generation_id = _vllm_compat.shared_generation_id()  # first: every rank is here, none has failed yet
         model = self._tm_model()
         capture = getattr(model, CAPTURE_ATTR, None)
-        written, base = None, None
+        base = None
         try:
-            try:
+            with _every_rank_writes(
+                f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
+                "raised beside this one); nothing was committed, and the checkpoint is as it was"
+            ):
                 signing_key = signing_key_from(signing_key_file)
                 encryption_key = encryption_key_from(encryption_key_file)
                 publication = publish.begin(Path(output_dir), generation_id)
@@ -193,7 +231,7 @@ class ManifestWorkerExtension:
                         release=not keep_capture,
                         encryption_key=encryption_key,
                         progress=on_progress,
-                        save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                        save_id=_generation_save_id(generation_id),
                         beside_a_base=capture.base_fills is not None,  # every rank observed its fills for the base
                     )
                 if capture.source is not None and first_rank():  # the base: the source, read again and checked
@@ -206,34 +244,22 @@ class ManifestWorkerExtension:
                             progress=on_progress,
                             source_dir=Path(str(self.vllm_config.model_config.model)) if base_reference else None,
                         )
-            finally:
-                all_written = _vllm_compat.every_rank_succeeded(written is not None)  # every rank votes
-            if not all_written:
-                raise TensorizerManifestError(
-                    f"{output_dir}: another rank of this engine failed to write its part of the save (its error is "
-                    "raised beside this one); nothing was committed, and the checkpoint is as it was"
-                )
-
-            def commit_the_save() -> None:
-                source = Path(str(self.vllm_config.model_config.model))
-                publish.commit(
+            _first_rank_commits(
+                lambda: publish.commit(
                     publication,
                     made_by="save",
-                    form_sets=[self._tm_form_set(publication, capture)],
-                    model_files=publish.copy_model_files(publication, source),
+                    form_sets=[self._tm_layout_form_set(publication, capture)],
+                    model_files=publish.copy_model_files(publication, Path(str(self.vllm_config.model_config.model))),
                     base=None if base is None else publish.base_entry(publication, *base),
                     signing_key=signing_key,
                     encryption_key=encryption_key,
-                )
-
-            _first_rank_commits(commit_the_save, f"{output_dir}: the first rank of this engine could not commit the "
-                                "save (its error is raised there); nothing was committed, and the checkpoint is as "
-                                "it was")  # fmt: skip
+                ),
+                f"{output_dir}: the first rank of this engine could not commit the save (its error is raised there); "
+                "nothing was committed, and the checkpoint is as it was",
+            )
         finally:
             if capture is not None and not keep_capture:
-                if getattr(model, CAPTURE_ATTR, None) is capture:
-                    delattr(model, CAPTURE_ATTR)
-                capture.close()
+                _release(model, capture)
         return {
             **_save_summary(written, output_dir, capture.stem),
             "generation": generation_id,
@@ -241,23 +267,24 @@ class ManifestWorkerExtension:
             "base": None if base is None else _base_summary(base[1]),
         }
 
-    def _tm_form_set(self, publication: publish.Publication, capture: Capture):
+    def _tm_layout_form_set(self, publication: publish.Publication, capture: Capture) -> FormSet:
         """This engine's layout as a form set: every rank's manifest in the publication's folder, by its bytes."""
         parallel = self.vllm_config.parallel_config
         layout = Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size)
-        ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
-        return publish.form_set(layout, capture.fingerprint, ranks)
+        return publish.layout_form_set(publication, layout, capture.fingerprint)
 
-    def _tm_publish_layout(self, checkpoint_dir, model, capture, signing_key, encryption_key) -> dict:
+    def _tm_add_layout_form_set(self, checkpoint_dir, model, capture, signing_key, encryption_key) -> dict:
         """``add_tensorizer_manifest_form`` by an engine that loaded from the base (no form set at its layout): what
         vLLM's steps made here becomes this layout's form set, in a new generation over the one it loaded, which
         keeps that one's form sets, model files and base; every rank writes its manifest, all vote, the first rank
         commits once, only while the loaded generation is still the current one (``ConcurrentWriteError``)."""
         generation = getattr(model, GENERATION_ATTR)
         generation_id = _vllm_compat.shared_generation_id()
-        written = None
         try:
-            try:
+            with _every_rank_writes(
+                f"{checkpoint_dir}: another rank failed to write its part of this layout's form set (its error is "
+                "raised beside this one); nothing was committed"
+            ):
                 publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id,
                                             read_parent=False)  # fmt: skip
                 written = write_checkpoint(
@@ -266,31 +293,21 @@ class ManifestWorkerExtension:
                     capture.stem,
                     signing_key=signing_key,
                     encryption_key=encryption_key,
-                    save_id=generation_id.rpartition("-")[2] if _vllm_compat.shared_save_id_needed() else None,
+                    save_id=_generation_save_id(generation_id),
                     beside_a_base=True,  # loaded from the generation's base, which the new generation keeps
                 )
-            finally:
-                all_written = _vllm_compat.every_rank_succeeded(written is not None)
-            if not all_written:
-                raise TensorizerManifestError(
-                    f"{checkpoint_dir}: another rank failed to write its part of this layout's form set (its error is "
-                    "raised beside this one); nothing was committed"
-                )
-
-            def commit_the_layout() -> None:
-                publish.commit(
+            _first_rank_commits(
+                lambda: publish.commit_over(
                     publication,
+                    generation,
                     made_by="add-form",
-                    form_sets=[*generation.form_sets, self._tm_form_set(publication, capture)],
-                    model_files=publish.carry_model_files(publication, generation),
-                    base=generation.base,
-                    compile_forms=generation.compile_forms,
+                    form_sets=[*generation.form_sets, self._tm_layout_form_set(publication, capture)],
                     signing_key=signing_key,
                     encryption_key=encryption_key,
-                )
-
-            failed = f"{checkpoint_dir}: the first rank could not commit this layout's form set (its error is raised "
-            _first_rank_commits(commit_the_layout, failed + "there); nothing was committed")
+                ),
+                f"{checkpoint_dir}: the first rank could not commit this layout's form set (its error is raised "
+                "there); nothing was committed",
+            )
         finally:
             capture.close()
             delattr(model, LAYOUT_FORM_ATTR)
@@ -331,14 +348,14 @@ class ManifestWorkerExtension:
         """Add this engine's processed form of the layers it loaded through their raw fallback to this rank's
         manifest in ``checkpoint_dir`` (the engine must have loaded it with ``add_form`` in
         ``model_loader_extra_config``). An engine that loaded the checkpoint from its base (a layout no form set
-        has) adds this layout's whole form set instead (``_tm_publish_layout``). Nothing is written when no layer
-        fell back, or none a verified restorer covers here."""
+        has) adds this layout's whole form set instead (``_tm_add_layout_form_set``). Nothing is written when no
+        layer fell back, or none a verified restorer covers here."""
         signing_key = signing_key_from(signing_key_file)
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
         layout_form = getattr(model, LAYOUT_FORM_ATTR, None)
         if layout_form is not None:  # loaded from the base: this whole layout's form set
-            return self._tm_publish_layout(checkpoint_dir, model, layout_form, signing_key, encryption_key)
+            return self._tm_add_layout_form_set(checkpoint_dir, model, layout_form, signing_key, encryption_key)
         observed = getattr(model, ADDED_FORM_ATTR, None)
         if observed is None:
             raise TensorizerManifestError(
@@ -349,8 +366,10 @@ class ManifestWorkerExtension:
         result = {"added": [layer.path for layer in capture.layers], "not_added": not_added, "tensor_file": None}
         generation = getattr(model, GENERATION_ATTR, None)
         if generation is not None:
-            published = self._tm_publish_form(checkpoint_dir, generation, capture, loaded, signing_key, encryption_key)
-            result.update(published)
+            result.update(
+                self._tm_add_form_to_generations(checkpoint_dir, generation, capture, loaded, signing_key,
+                                                 encryption_key)
+            )  # fmt: skip
         elif capture.layers:
             manifest = write_added_form(
                 capture,
@@ -365,27 +384,26 @@ class ManifestWorkerExtension:
         delattr(model, ADDED_FORM_ATTR)
         return result
 
-    def _tm_publish_form(self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key) -> dict:
+    def _tm_add_form_to_generations(
+        self, checkpoint_dir, generation, capture, loaded, signing_key, encryption_key
+    ) -> dict:
         """``add_tensorizer_manifest_form`` on a checkpoint of format version 3: a new generation over the one this
         engine loaded, in which the ranks that added a form have a new manifest (naming the save's tensor files
         where the save keeps them) and the others keep theirs; committed once by the first rank, only if the
-        generation loaded is still the current one (``ConcurrentWriteError`` otherwise)."""
+        generation loaded is still the current one (``ConcurrentWriteError`` otherwise), and only if some rank
+        added a form."""
         generation_id = _vllm_compat.shared_generation_id()
-        publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id, read_parent=False)
         written = None
-        try:
+        with _every_rank_writes(
+            f"{checkpoint_dir}: another rank failed to write its part of the form (its error is raised beside this "
+            "one); nothing was committed"
+        ):
+            publication = publish.begin(Path(checkpoint_dir), generation_id, parent=generation.id, read_parent=False)
             if capture.layers:
                 written = write_added_form(
                     capture, Path(checkpoint_dir), capture.stem, loaded,
                     signing_key=signing_key, encryption_key=encryption_key, into=publication.folder,
                 )  # fmt: skip
-        finally:
-            all_written = _vllm_compat.every_rank_succeeded(written is not None or not capture.layers)
-        if not all_written:
-            raise TensorizerManifestError(
-                f"{checkpoint_dir}: another rank failed to write its part of the form (its error is raised beside "
-                "this one); nothing was committed"
-            )
         nothing_added = _vllm_compat.every_rank_succeeded(not capture.layers)
         result: dict = {"generation": None}
         if written is not None:
@@ -393,21 +411,18 @@ class ManifestWorkerExtension:
             result.update(tensor_file=form_file.path, bytes=form_file.size)
         if nothing_added:
             return result
-
-        def commit_the_form() -> None:
-            publish.commit(
+        _first_rank_commits(
+            lambda: publish.commit_over(
                 publication,
+                generation,
                 made_by="add-form",
                 form_sets=publish.with_new_manifests(publication, generation, capture.fingerprint.vllm_version),
-                model_files=publish.carry_model_files(publication, generation),
-                base=generation.base,
-                compile_forms=generation.compile_forms,
                 signing_key=signing_key,
                 encryption_key=encryption_key,
-            )
-
-        _first_rank_commits(commit_the_form, f"{checkpoint_dir}: the first rank of this engine could not commit the "
-                            "form (its error is raised there); nothing was committed")  # fmt: skip
+            ),
+            f"{checkpoint_dir}: the first rank of this engine could not commit the form (its error is raised there); "
+            "nothing was committed",
+        )
         result["generation"] = generation_id
         return result
 

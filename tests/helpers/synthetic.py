@@ -131,12 +131,10 @@ def save_generation(root: Path, source: Path, seed: int = 0, fallbacks: bool = T
 
     publication = publish.begin(root, g.new_generation_id())
     manifest = write_checkpoint(make_capture(seed, fallbacks=fallbacks), publication.folder, "model")
-    layout = g.Layout()
-    ranks = [publish.rank_entry(publication, stem) for stem in publish.layout_stems(layout)]
     return publish.commit(
         publication,
         made_by="save",
-        form_sets=[publish.form_set(layout, manifest.fingerprint, ranks)],
+        form_sets=[publish.layout_form_set(publication, g.Layout(), manifest.fingerprint)],
         model_files=publish.copy_model_files(publication, source),
     )
 

@@ -80,11 +80,8 @@ def test_an_added_form_keeps_the_save_s_tensor_file_in_its_folder(tmp_path, sour
     loaded, _ = load_manifest(root)
     publication = publish.begin(root, g.new_generation_id(), parent=saved.id, read_parent=False)
     write_added_form(experts_form_capture(), root, "model", loaded, into=publication.folder)
-    added = publish.commit(
-        publication,
-        made_by="add-form",
-        form_sets=publish.with_new_manifests(publication, saved),
-        model_files=publish.carry_model_files(publication, saved),
+    added = publish.commit_over(
+        publication, saved, made_by="add-form", form_sets=publish.with_new_manifests(publication, saved)
     )
     assert [m.file.hash for m in added.model_files] == [m.file.hash for m in saved.model_files]
     assert all(m.file.path.startswith(g.generation_dir(added.id)) for m in added.model_files)  # its own folder
@@ -97,6 +94,34 @@ def test_an_added_form_keeps_the_save_s_tensor_file_in_its_folder(tmp_path, sour
     assert report.ok, report.problems
 
 
+def test_a_write_over_a_generation_changes_only_its_form_sets_or_its_compile_forms(tmp_path, source):
+    """``commit_over``, as add-form and add-form --compile commit: the new generation keeps its parent's model files
+    (copied into its own folder), its base, and whichever of form sets and compile forms the write leaves."""
+    from tensorizer_manifest.format.schema import blake3_hex
+
+    root = tmp_path / "ckpt"
+    saved = _save(root, source)
+    publication = publish.begin(root, g.new_generation_id(), parent=saved.id, read_parent=False)
+    (publication.folder / "compile-x.bin").write_bytes(b"graphs")
+    archive = g.FileRef(path=publication.relative("compile-x.bin"), size=6, hash=blake3_hex(b"graphs"))
+    form = g.CompileForm(machine=["cpu:x86_64"], vllm_version="0.32.0", torch_version="2.13.0", config_hash="h",
+                         archive=archive)  # fmt: skip
+    compiled = publish.commit_over(publication, saved, made_by="add-form-compile", compile_forms=[form])
+    assert (compiled.form_sets, compiled.base, compiled.compile_forms) == (saved.form_sets, saved.base, [form])
+    assert [m.file.hash for m in compiled.model_files] == [m.file.hash for m in saved.model_files]
+    assert all(m.file.path.startswith(g.generation_dir(compiled.id)) for m in compiled.model_files)
+
+    publication = publish.begin(root, g.new_generation_id(), parent=compiled.id, read_parent=False)
+    write_added_form(experts_form_capture(), root, "model", load_manifest(root)[0], into=publication.folder)
+    added = publish.commit_over(
+        publication, compiled, made_by="add-form", form_sets=publish.with_new_manifests(publication, compiled)
+    )
+    assert (added.made_by, added.compile_forms, added.base) == ("add-form", [form], compiled.base)
+    assert added.form_sets[0].ranks[0].manifest.path.startswith(g.generation_dir(added.id))
+    report = validate_checkpoint(root)
+    assert report.ok, report.problems
+
+
 def _beside_another_release(root, saved, release: str) -> g.Generation:
     """An add-form's commit as an engine of ``release`` makes it at the layout ``saved`` has (from the base): its
     own form set beside the save's, its rank manifest under the same name in the new generation's folder."""
@@ -105,13 +130,8 @@ def _beside_another_release(root, saved, release: str) -> g.Generation:
     capture.fingerprint = capture.fingerprint.__copy__()
     capture.fingerprint.vllm_version = release
     write_checkpoint(capture, publication.folder, "model")
-    theirs = publish.form_set(g.Layout(), capture.fingerprint, [publish.rank_entry(publication, "model")])
-    return publish.commit(
-        publication,
-        made_by="add-form",
-        form_sets=[*saved.form_sets, theirs],
-        model_files=publish.carry_model_files(publication, saved),
-    )
+    theirs = publish.layout_form_set(publication, g.Layout(), capture.fingerprint)
+    return publish.commit_over(publication, saved, made_by="add-form", form_sets=[*saved.form_sets, theirs])
 
 
 def test_each_release_reads_its_own_form_set_at_one_layout_and_an_added_form_goes_to_its_own(tmp_path, source):
@@ -134,11 +154,8 @@ def test_each_release_reads_its_own_form_set_at_one_layout_and_an_added_form_goe
 
     publication = publish.begin(root, g.new_generation_id(), parent=both.id, read_parent=False)
     write_added_form(experts_form_capture(), root, "model", mine, into=publication.folder)
-    added = publish.commit(
-        publication,
-        made_by="add-form",
-        form_sets=publish.with_new_manifests(publication, both, ours),
-        model_files=publish.carry_model_files(publication, both),
+    added = publish.commit_over(
+        publication, both, made_by="add-form", form_sets=publish.with_new_manifests(publication, both, ours)
     )
     assert added.form_sets[1] == both.form_sets[1]  # the other release's, untouched
     assert added.form_sets[0].ranks[0].manifest.path.startswith(g.generation_dir(added.id))

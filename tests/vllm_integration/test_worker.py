@@ -57,3 +57,44 @@ def test_state_hashes_name_every_parameter_and_persistent_buffer():
         "0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked",
     }  # fmt: skip
     assert hashes == _worker(model).tensorizer_manifest_state_hashes()
+
+
+@pytest.fixture
+def votes(monkeypatch):
+    """The votes this rank casts; every other rank votes no (``every_rank_succeeded`` says False)."""
+    from tensorizer_manifest import _vllm_compat
+
+    cast = []
+    monkeypatch.setattr(_vllm_compat, "every_rank_succeeded", lambda succeeded: cast.append(succeeded) and False)
+    return cast
+
+
+def test_a_part_written_here_is_undone_when_another_rank_failed_to_write_its_own(votes):
+    from tensorizer_manifest.vllm_integration.worker import _every_rank_writes
+
+    undone = []
+    with pytest.raises(TensorizerManifestError, match="^another rank failed$"):
+        with _every_rank_writes("another rank failed") as part:
+            part.undo = lambda: undone.append("part")
+    assert (votes, undone) == ([True], ["part"])
+
+
+def test_a_rank_that_fails_to_write_votes_no_and_raises_its_own_error(votes):
+    from tensorizer_manifest.vllm_integration.worker import _every_rank_writes
+
+    undone = []
+    with pytest.raises(OSError, match="disk full"):
+        with _every_rank_writes("another rank failed") as part:
+            part.undo = lambda: undone.append("part")
+            raise OSError("disk full")
+    assert (votes, undone) == ([False], [])
+
+
+def test_a_rank_other_than_the_first_commits_nothing_and_learns_that_the_first_failed(votes, monkeypatch):
+    from tensorizer_manifest.vllm_integration import worker
+
+    monkeypatch.setattr(worker, "first_rank", lambda: False)
+    commits = []
+    with pytest.raises(TensorizerManifestError, match="^the first rank could not commit$"):
+        worker._first_rank_commits(lambda: commits.append("pointer"), "the first rank could not commit")
+    assert (votes, commits) == ([True], [])
