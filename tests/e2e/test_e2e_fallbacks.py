@@ -188,12 +188,18 @@ def test_a_damaged_fallback_is_caught_by_its_content_hash_and_nothing_is_served(
 
 
 def test_add_form_makes_the_other_machines_checkpoint_load_processed_here(loads):
-    """Saved where its form is the other machine's, this machine adds its own: those layers then load that form,
-    processed (no vLLM step), bitwise what vLLM makes here, and only their added tensors are read for them."""
+    """Saved where its form is the other machine's, this machine adds its own (``add-form`` typed on a terminal: it
+    ends with its summary): those layers then load that form, processed (no vLLM step), bitwise what vLLM makes
+    here, and only their added tensors are read for them."""
     _, saved, result = loads
     with_fallback = _with_fallback(result["as-saved"])
     added = result["add-form"]
-    assert sorted(added["added"]) == sorted(with_fallback) and added["not_added"] == {} and added["tensor_file"]
+    assert added["returncode"] == 0, added["said"][-3000:]
+    assert "Traceback" not in added["said"] and "error:" not in added["said"], added["said"][-3000:]
+    assert sorted(added["added"]) == sorted(with_fallback) and added["tensor_file"]
+    summary = f"added the form of {len(with_fallback)} layers made here: {added['tensor_file']}"
+    assert summary in added["said"] and "this machine kind now loads them processed" in added["said"], added["said"]
+    assert "stays on its fallback" not in added["said"]  # nothing left out
     entry = result["added-form"]
     assert entry["error"] is None, entry["error"]
     assert entry["tokens"] == saved["reference_tokens"]

@@ -145,7 +145,20 @@ def main() -> None:
         from tensorizer_manifest.save.add_form import add_form
 
         added = edited_copy(checkpoint, workdir / f"{kind}-added-form", as_the_other_machine)
-        result["add-form"] = add_form(added).ranks[0]
+        # As a person types it, on a terminal (the installed script, its engine in its own process as set above);
+        # what it added is read back from the checkpoint it committed.
+        from helpers.terminal import typed
+
+        from tensorizer_manifest import read_manifest
+
+        shown = typed("add-form", str(added), timeout=900)
+        form = read_manifest(added).added_forms[-1] if shown.returncode == 0 else None
+        result["add-form"] = {
+            "returncode": shown.returncode,
+            "said": shown.flat,
+            "added": [] if form is None else [module.path for module in form.modules],
+            "tensor_file": None if form is None else form.tensor_file.path,
+        }
         cases["added-form"] = added
         # A form is an optimisation, never a single point of failure: one this loader cannot use is skipped.
         cases["added-form-unused"] = edited_copy(added, workdir / f"{kind}-added-form-unused", as_the_other_machine)
