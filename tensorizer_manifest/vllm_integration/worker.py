@@ -69,6 +69,9 @@ class ManifestWorkerExtension:
     """Worker methods, reached with ``llm.collective_rpc(name, args=...)``. Those that write hand their typed errors
     to the process that called them (``relaying``): vLLM passes only their text."""
 
+    #: vLLM's worker, which this class extends (``worker_extension_cls``), sets it.
+    vllm_config: Any
+
     def _tm_model(self) -> torch.nn.Module:
         return _vllm_compat.worker_model(self)
 
@@ -148,6 +151,7 @@ class ManifestWorkerExtension:
                 # Every rank votes, a failed one too (its error goes on up): none commits unless all wrote their part.
                 if save_id is not None and not _vllm_compat.every_rank_succeeded(prepared is not None):
                     if prepared is not None:
+                        assert capture is not None  # what it was prepared from
                         prepared.abandon()
                         raise TensorizerManifestError(
                             f"{output_dir}: another rank of this engine failed to write its part of the save (its "
@@ -163,6 +167,7 @@ class ManifestWorkerExtension:
                 if getattr(model, CAPTURE_ATTR, None) is capture:
                     delattr(model, CAPTURE_ATTR)
                 capture.close()
+        assert capture is not None  # found or rebuilt above, or the save raised
         return _save_summary(manifest, output_dir, capture.stem)
 
     def _tm_publish(
