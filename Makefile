@@ -32,6 +32,7 @@ lint: setup
 	.venv/bin/ruff check $(SOURCES)
 	.venv/bin/ruff format --check $(SOURCES)
 	.venv/bin/lint-imports
+	.venv/bin/mypy
 
 format: setup
 	.venv/bin/ruff check --fix $(SOURCES)

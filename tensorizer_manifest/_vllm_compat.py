@@ -23,7 +23,8 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple, cast
 
 from .errors import UnsupportedModelError, UnsupportedVLLMError
 from .format.schema import qualified_class
@@ -798,7 +799,7 @@ def quant_config_hash(model_config: Any) -> str | None:
     from vllm.config.utils import normalize_value
     from vllm.utils.hashing import safe_hash
 
-    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
+    quant_cfg: Any = getattr(model_config.hf_config, "quantization_config", None)  # a dict, or an object with to_dict
     if quant_cfg is None and model_config.quantization is None:
         return None
     if hasattr(quant_cfg, "to_dict"):
@@ -1277,7 +1278,7 @@ def without_rocm_platform() -> Iterator[None]:
         yield
         return
     before = sys.modules.get(rocm)
-    sys.modules[rocm] = None
+    sys.modules[rocm] = cast(ModuleType, None)  # None there is the import system's mark for "not importable"
     try:
         yield
     finally:

@@ -181,7 +181,7 @@ def refuse_unrecorded_settings(vllm_config: Any, manifest: Manifest | None, sour
             )
         return
     kernels_matter = needs_same_kernels(manifest)
-    differing = [
+    differing: list[tuple[str, object, object]] = [
         (name, "vLLM's default", value)
         for name, value in settings.items()
         if UNRECORDED_SETTINGS[name].policy is EXACT or kernels_matter

@@ -14,6 +14,7 @@ from ..format.generation import Generation
 from ..format.schema import EncryptionKey, Manifest, SigningKey, blake3_hex
 from ..storage.compile_archive import check_archive, read_archive
 from ..storage.generations import stale_model_files
+from ..storage.remote import RemoteDir
 from .seal import check_generation_seal
 
 #: A model file read whole by ``validate`` is refused above this (config and tokenizer files are small).
@@ -56,17 +57,17 @@ def check_generation(
 
 
 def generation_problems(
-    root: object,
+    root: Path | RemoteDir,
     generation: Generation,
     manifest: Manifest,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
-) -> tuple[list[tuple[type, str, str]], list[str]]:
+) -> tuple[list[tuple[type[TensorizerManifestError], str, str]], list[str]]:
     """What ``validate`` finds in a generation besides its rank manifest, as (problems, warnings): its seal, each
     model file of its own against its hash, each compile form's archive and every file in it against theirs, and (a
     warning: loads from there would be refused) a copy at the top of a local checkpoint that is not the generation's.
-    ``root``: the checkpoint (a ``Path`` or a ``RemoteDir``)."""
-    problems: list[tuple[type, str, str]] = []
+    ``root``: the checkpoint."""
+    problems: list[tuple[type[TensorizerManifestError], str, str]] = []
     warnings: list[str] = []
     where = f"{root}: generation {generation.id}"
     sealed = check_generation_seal(generation, manifest.tensor_file.encryption != "none", signing_key, encryption_key)
@@ -76,7 +77,7 @@ def generation_problems(
         else:
             problems.append((sealed[0], where, sealed[1]))
     for model_file in generation.model_files:
-        location = root / model_file.file.path  # type: ignore[operator]
+        location = root / model_file.file.path
         try:
             data = (
                 location.read_bytes(MAX_MODEL_FILE_BYTES) if not isinstance(location, Path) else location.read_bytes()
@@ -86,14 +87,14 @@ def generation_problems(
             continue
         if blake3_hex(data) != model_file.file.hash:
             problems.append((IntegrityError, str(location), f"not the bytes generation {generation.id} records"))
-        top = root / model_file.name  # type: ignore[operator]
+        top = root / model_file.name
         if isinstance(top, Path) and top.is_file() and top.read_bytes() != data:
             warnings.append(
                 f"{top}: not the current generation's {model_file.name}; a load with this directory as vLLM's model "
                 "is refused until the next save refreshes it (or copy it from the generation)"
             )
     for form in generation.compile_forms:
-        location = root / form.archive.path  # type: ignore[operator]
+        location = root / form.archive.path
         try:
             check_archive(read_archive(root, form.archive), form.archive, form.files, str(location))
         except IntegrityError as exc:

@@ -99,7 +99,7 @@ class _Records:
         if bad:
             problem(ManifestError, f"tensor {name!r}: {bad}")
         if record.alias_of is not None:
-            _check_alias(name, record, self.by_name, problem)
+            _check_alias(name, record, record.alias_of, self.by_name, problem)
         elif record.key is not None:
             if record.key in self.by_key:
                 problem(ManifestError, f"tensor file key {record.key!r} is used twice")
@@ -260,16 +260,18 @@ def check_added_forms(manifest: Manifest, manifest_path: FileLocation) -> tuple[
     return problems_by_form, by_key
 
 
-def _check_alias(name: str, record: TensorRecord, records_by_name: dict[str, TensorRecord], problem) -> None:
+def _check_alias(
+    name: str, record: TensorRecord, alias_of: str, records_by_name: dict[str, TensorRecord], problem
+) -> None:
     if record.key is not None:
         problem(ManifestError, f"tensor {name!r} is an alias and cannot also be stored")
-    target = records_by_name.get(record.alias_of)
-    if target is None or record.alias_of == name:
-        problem(ManifestError, f"tensor {name!r} is an alias of {record.alias_of!r}, which is not recorded before it")
+    target = records_by_name.get(alias_of)
+    if target is None or alias_of == name:
+        problem(ManifestError, f"tensor {name!r} is an alias of {alias_of!r}, which is not recorded before it")
         return
     form = (record.dtype, record.shape, record.stride, record.storage_offset, record.hash)
     if (target.dtype, target.shape, target.stride, target.storage_offset, target.hash) != form:
         problem(
             ManifestError,
-            f"tensor {name!r} differs in form or content from {record.alias_of!r}, the tensor it is an alias of",
+            f"tensor {name!r} differs in form or content from {alias_of!r}, the tensor it is an alias of",
         )

@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._signatures import takes_keywords_of
 from ..errors import (
@@ -59,7 +59,7 @@ from ..storage.checkpoint import (
     resolve_tensor_file,
     signing_key_from,
 )
-from ..storage.remote import RemoteFile, RemoteOptions, as_remote, is_remote
+from ..storage.remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
 from ..storage.source_files import SourceFilesReader
 from ..storage.tensor_file import TensorFileReader
 from .fingerprint import settings_differences
@@ -267,13 +267,19 @@ def _check_manifest_for_loading(
     return by_key, form_problems, forms_by_key
 
 
-def _generation_of(path: str | Path | RemoteFile, remote: RemoteOptions | None) -> tuple[object, Generation] | None:
+def _generation_of(
+    path: str | Path | RemoteFile, remote: RemoteOptions | None
+) -> tuple[Path | RemoteDir, Generation] | None:
     """The checkpoint and current generation ``validate``'s ``path`` names (format version 3; None otherwise):
     its directory or prefix, or a rank's name at the top of it."""
     root = checkpoint_root(path, remote)
     if root is None and str(path).endswith(MANIFEST_SUFFIX):
-        named = as_remote(path, remote) if is_remote(path) else Path(path)  # type: ignore[arg-type]
-        root = named.parent
+        if isinstance(path, RemoteFile):
+            root = path.parent
+        elif isinstance(path, str) and is_remote(path):
+            root = cast(RemoteFile, as_remote(path, remote)).parent  # a URI ending in MANIFEST_SUFFIX is a file
+        else:
+            root = Path(path).parent
     if root is None:
         return None
     found = load_generation(root)
@@ -309,7 +315,7 @@ def validate_checkpoint(
     encrypted = manifest.tensor_file.encryption != "none"
     unchecked_seal = seal_needs_encryption_key(manifest, encryption_key)
     problems: list[Problem] = []
-    generation_warnings = []
+    generation_warnings: list[str] = []
     try:
         current = _generation_of(path, remote)
     except TensorizerManifestError as exc:
@@ -325,8 +331,8 @@ def validate_checkpoint(
     )
     problems = found + problems
     if current is not None:
-        found, generation_warnings = generation_problems(*current, manifest, signing_key, encryption_key)
-        problems += [Problem(kind, where, message) for kind, where, message in found]
+        in_generation, generation_warnings = generation_problems(*current, manifest, signing_key, encryption_key)
+        problems += [Problem(kind, where, message) for kind, where, message in in_generation]
     form_problems, forms_by_key = check_added_forms(manifest, manifest_path)
     # a form another version wrote, which this one does not use, is not damage: loaders skip it
     other_version = [p for found in form_problems for p in found if p.kind is ManifestVersionError]
@@ -356,7 +362,7 @@ def validate_checkpoint(
     referenced = None
     if current is not None and current[1].base is not None:  # the base's file is checked as the rank's are
         try:
-            base, document, base_path = load_base(*current)  # type: ignore[arg-type]
+            base, document, base_path = load_base(*current)
         except TensorizerManifestError as exc:
             problems.append(Problem(type(exc), str(current[0]), str(exc)))
         else:

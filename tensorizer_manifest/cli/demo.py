@@ -67,10 +67,10 @@ def run_demo(work_dir: Path, kind: str, max_tokens: int, console, progress: bool
     """The demo's story on ``console``; ``progress`` draws bars of the save's write and the load's read."""
     work_dir = Path(work_dir).resolve()
     t0 = time.perf_counter()
-    model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)  # type: ignore[arg-type]
+    model_dir = build_tiny_model(work_dir / f"tiny-{kind}", kind)
     console.rule(f"1. tiny {kind} model at {model_dir} ({time.perf_counter() - t0:.1f}s, cached)")
 
-    engine = engine_args(kind)  # type: ignore[arg-type]
+    engine = engine_args(kind)
     ref_tokens, prompt_lengths, ref_start = generate_tokens(model_dir, "auto", max_tokens, **engine)
     console.rule(f"2. vLLM default loader (safetensors): engine up in {ref_start:.1f}s")
 

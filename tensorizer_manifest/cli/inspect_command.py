@@ -87,7 +87,7 @@ def _say_generation(path, remote: RemoteOptions) -> None:
 
     root = checkpoint_root(path, remote)
     found = None if root is None else load_generation(root)
-    if found is None:
+    if root is None or found is None:
         return
     generation = found[0]
     layouts = ", ".join(f"tp={s.layout.tp} pp={s.layout.pp} ({len(s.ranks)} ranks)" for s in generation.form_sets)
@@ -123,11 +123,11 @@ def _say_generation(path, remote: RemoteOptions) -> None:
         base, _, _ = load_base(root, generation)
     except TensorizerManifestError as exc:
         fail(exc)
-    where = (
-        f"{base.tensor_file.size:,} bytes"
-        if base.tensor_file is not None
-        else f"by reference: {len(base.source.files)} safetensors file(s) of {base.source.root}, not copied"
-    )
+    if base.tensor_file is not None:
+        where = f"{base.tensor_file.size:,} bytes"
+    else:
+        assert base.source is not None  # load_base returns a base without a tensor file only by reference
+        where = f"by reference: {len(base.source.files)} safetensors file(s) of {base.source.root}, not copied"
     console().print(
         f"  base: {len(base.tensors)} source tensors ({where}, observed at tp={base.observed.tp}): any other tensor- "
         "or pipeline-parallel size, and another vLLM release, loads through it",

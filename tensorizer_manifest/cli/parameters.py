@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from ..storage.remote import RemoteOptions
 
 PATH = click.Path(path_type=Path)
@@ -124,7 +126,7 @@ def _click_type(annotation: Any) -> Any:
     return click.INT if args == [int] else click.STRING
 
 
-def field_option(model: type, spelled: Spelled) -> click.Option:
+def field_option(model: type[BaseModel], spelled: Spelled) -> click.Option:
     """The click option of one field of ``model`` (a pydantic model): its value is what the model takes."""
     info = model.model_fields[spelled.field]
     names = list(spelled.names) or [f"--{spelled.field.replace('_', '-')}"]
@@ -162,7 +164,7 @@ class ModelOptionsCommand(click.Command):
     def __init__(
         self,
         *args: Any,
-        model: Callable[[], type],
+        model: Callable[[], type[BaseModel]],
         options: Sequence[str | Spelled | click.Parameter],
         api_only: Sequence[str] = (),
         **kwargs: Any,
@@ -172,7 +174,7 @@ class ModelOptionsCommand(click.Command):
         super().__init__(*args, **kwargs)
 
     @property
-    def params(self) -> list[click.Parameter]:  # type: ignore[override]
+    def params(self) -> list[click.Parameter]:
         if self._made is None:
             model = self._model()
             made = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import msgspec
 
@@ -21,7 +22,7 @@ def _short(qualified: str | None) -> str:
     return name + (f"[{rest}" if rest else "")
 
 
-def layer_row(module: ModuleRecord, added: list[tuple[int, ModuleRecord]] = ()) -> dict:
+def layer_row(module: ModuleRecord, added: Sequence[tuple[int, ModuleRecord]] = ()) -> dict:
     stored = [t for t in module.tensors if t.alias_of is None]
     return {
         "path": module.path or "<root>",
@@ -44,20 +45,20 @@ def _form(state: str, record: ModuleRecord) -> dict:
     return {"state": state, "form": record.form, "tensors": len(stored), "bytes": sum(t.nbytes for t in stored)}
 
 
-def forms_of(module: ModuleRecord, added: list[tuple[int, ModuleRecord]] = ()) -> list[dict]:
+def forms_of(module: ModuleRecord, added: Sequence[tuple[int, ModuleRecord]] = ()) -> list[dict]:
     """The forms a layer can load in, in the order a loader tries them: its own, the forms other engines
     added (``added``: their index in ``added_forms`` and record), then the raw fallback."""
     own = _form(module.state, module)
     if not module.fallback:
         return [own]
-    own = [own, *(_form(f"processed (added form {i})", record) for i, record in added)]
+    processed = [own, *(_form(f"processed (added form {i})", record) for i, record in added)]
     fallback = {
         "state": "raw fallback",
         "form": {},
         "tensors": len(module.fallback),
         "bytes": sum(t.nbytes for t in module.fallback),
     }
-    return [*own, fallback]
+    return [*processed, fallback]
 
 
 def summary(manifest: Manifest) -> dict:

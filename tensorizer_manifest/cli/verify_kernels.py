@@ -89,7 +89,7 @@ def _run(model, load_format, engine_args, collect, max_tokens, also=None) -> tup
 
 
 @contextmanager
-def recording_post_load(classes: set[type]) -> Iterator[set[int]]:
+def recording_post_load(classes: set[type[Any]]) -> Iterator[set[int]]:
     """Record the ``id`` of every layer a ``process_weights_after_loading`` of these classes ran on."""
     stepped: set[int] = set()
     undo = []
@@ -112,9 +112,9 @@ def recording_post_load(classes: set[type]) -> Iterator[set[int]]:
                 cls.process_weights_after_loading = original
 
 
-def _step_classes(manifest: Manifest) -> set[type]:
+def _step_classes(manifest: Manifest) -> set[type[Any]]:
     """vLLM classes whose post-load step a layer of this model may run: quant methods and attention layers."""
-    classes = set()
+    classes: set[type[Any]] = set()
     for m in manifest.modules:
         for qualified in (m.quant_method, m.module_class):
             cls = _vllm_compat.class_named(qualified or "")

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .. import _vllm_compat
 from .families import FAMILIES, family_config, unfuse_experts
@@ -149,8 +149,10 @@ def _build_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def _config(kind: str, vocab_size: int, overrides: dict | None = None):
-    common = dict(
+def _config(kind: str, vocab_size: int, overrides: dict[str, Any] | None = None):
+    # Keyword arguments, not typed ones: transformers' config classes take the keys their signatures leave out
+    # (head_dim, torch_dtype) as extra attributes.
+    common: dict[str, Any] = dict(
         hidden_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -162,7 +164,7 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
         eos_token_id=0,
         torch_dtype="bfloat16",
     )
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    moe: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
     for key, value in (overrides or {}).items():
         (moe if key in moe else common)[key] = value
     if kind in FAMILIES:
@@ -178,19 +180,14 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
     if kind in MOE_KINDS:  # every layer sparse; moe_intermediate_size a multiple of 32 for the CPU MoE kernel
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
-            head_dim=64,
-            tie_word_embeddings=False,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **moe,
-            **common,
+        sparse: dict[str, Any] = dict(
+            head_dim=64, tie_word_embeddings=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
         )
+        return Qwen3MoeConfig(**sparse, **moe, **common)
     if kind == "gpt2":
         from transformers import GPT2Config
 
-        return GPT2Config(
+        gpt2: dict[str, Any] = dict(
             n_embd=common["hidden_size"],
             n_layer=common["num_hidden_layers"],
             n_head=common["num_attention_heads"],
@@ -201,6 +198,7 @@ def _config(kind: str, vocab_size: int, overrides: dict | None = None):
             eos_token_id=0,
             torch_dtype="bfloat16",
         )
+        return GPT2Config(**gpt2)
     if kind == "gemma2":
         from transformers import Gemma2Config
 
@@ -397,9 +395,9 @@ def pack_codes(codes: torch.Tensor, dim: int, bits: int = 4, order: tuple[int, .
     import torch
 
     per_int = 32 // bits
-    order = list(order or range(per_int))
+    positions = list(order or range(per_int))
     moved = codes.movedim(dim, -1).to(torch.int64)
-    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_int, per_int)[..., order]
+    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_int, per_int)[..., positions]
     packed = (groups << torch.arange(0, 32, bits, dtype=torch.int64)).sum(dim=-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
     return packed.movedim(-1, dim).contiguous()
@@ -693,8 +691,8 @@ def _write_tiny_model(out: Path, kind: str, seed: int, sizes: dict[str, int]) ->
         quant_config["ignore"] += [f"model.layers.{i}.mlp.gate" for i in range(config.num_hidden_layers)]
     elif kind == "qwen3-moe":
         state = unfuse_experts(state)
-    elif kind in FAMILIES and FAMILIES[kind].hub_layout is not None:
-        state = FAMILIES[kind].hub_layout(state)
+    elif kind in FAMILIES and (hub_layout := FAMILIES[kind].hub_layout) is not None:
+        state = hub_layout(state)
     elif kind == "kv-fp8-calibrated":
         state.update(_calibrate_kv_scales(model, out))
         quant_config = _kv_fp8_quant_config()

@@ -21,7 +21,7 @@ canonical bytes while it holds its default, or every older seal breaks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Final, Literal, get_args
 
 import blake3
 import msgspec
@@ -91,7 +91,7 @@ def plain_value(value: object) -> tuple[bool, PlainValue]:
     save time is dropped on the way to the file.
     """
     if value is None or isinstance(value, (bool, int, float, str)):
-        return True, value  # type: ignore[return-value]
+        return True, value
     if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
         return True, list(value)
     return False, None
@@ -220,7 +220,7 @@ class Fingerprint(_Struct, kw_only=True):
 
 #: tensorizer's own encryption (libsodium XSalsa20-Poly1305, authenticated per chunk) of every tensor's data,
 #: under a 32-byte key derived from the user's key file with blake3 ``derive_key`` (``EncryptionKey``).
-ENCRYPTION_TENSORIZER = "tensorizer-xsalsa20poly1305-blake3-key"
+ENCRYPTION_TENSORIZER: Final = "tensorizer-xsalsa20poly1305-blake3-key"
 Encryption = Literal["none", "tensorizer-xsalsa20poly1305-blake3-key"]
 assert ENCRYPTION_TENSORIZER in get_args(Encryption)
 
@@ -402,7 +402,10 @@ THREADED_HASH_BYTES = 8 << 20
 def blake3_hex(data: bytes | memoryview, key: bytes | None = None) -> str:
     """``blake3:<hex>`` of ``data`` (keyed when ``key`` is given); the same digest on one thread or several."""
     threads = blake3.blake3.AUTO if memoryview(data).nbytes >= THREADED_HASH_BYTES else 1
-    return "blake3:" + blake3.blake3(data, key=key, max_threads=threads).hexdigest()
+    hasher = (
+        blake3.blake3(data, max_threads=threads) if key is None else blake3.blake3(data, key=key, max_threads=threads)
+    )
+    return "blake3:" + hasher.hexdigest()
 
 
 #: blake3 ``derive_key`` context: a user's key of any length becomes the 32-byte key of the seal's MAC.
@@ -530,10 +533,17 @@ class _Header(msgspec.Struct, gc=False):
     format_version: object = None
 
 
-class _FormsUndecoded(Manifest, kw_only=True):
-    """A manifest with its added forms left as JSON, each decoded on its own (``decode_manifest``)."""
-
-    added_forms: list[msgspec.Raw] = []
+#: A manifest with its added forms left as JSON, each decoded on its own (``decode_manifest``). Made by
+#: ``defstruct``, not a class statement: it gives a field of ``Manifest`` another type, so it is not a Manifest.
+_FormsUndecoded = msgspec.defstruct(
+    "_FormsUndecoded",
+    [("added_forms", list[msgspec.Raw], [])],
+    bases=(Manifest,),
+    module=__name__,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    gc=False,
+)
 
 
 def _unreadable_as_json(obj: object) -> msgspec.Raw:
@@ -601,11 +611,12 @@ def decode_manifest(data: bytes, source: str = "manifest") -> Manifest:
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         refuse_a_newer_format(format_version_of(data), source)
-        manifest = _decode_forms_one_by_one(data)
-        if manifest is None:
+        salvaged = _decode_forms_one_by_one(data)
+        if salvaged is None:
             raise ManifestError(
                 f"{source}: {exc}; the manifest is damaged or was edited by hand: re-save the checkpoint"
             ) from None
+        manifest = salvaged
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}); the file is damaged, re-save the checkpoint") from None
     except RecursionError:
@@ -621,15 +632,15 @@ def _decode_forms_one_by_one(data: bytes) -> Manifest | None:
         undecoded = _forms_undecoded_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None
+    fields = msgspec.structs.asdict(undecoded)
     forms: list[AddedForm] = []
-    for raw in undecoded.added_forms:
+    for raw in fields["added_forms"]:
         compact = msgspec.json.format(bytes(raw), indent=-1)  # what the writer sealed: its compact encoding
         try:
             forms.append(_form_decoder.decode(compact))
         except msgspec.ValidationError as exc:
             reason = f"this version of tensorizer-manifest cannot read it ({exc}): a newer one wrote it, or damaged"
             forms.append(UnreadableForm(compact, reason))  # type: ignore[arg-type]
-    fields = {f: getattr(undecoded, f) for f in Manifest.__struct_fields__}
     return Manifest(**{**fields, "added_forms": forms})
 
 

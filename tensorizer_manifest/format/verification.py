@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 
 from ..errors import ManifestError
+from .schema import PlainValue
 
 VERIFIED_DIR_ENV = "TENSORIZER_MANIFEST_VERIFIED_DIR"
 PACKAGE_RECORDS = Path(__file__).parent.parent / "verified"
@@ -41,7 +42,7 @@ class VerificationRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     layers: int
     """Layers this restorer replayed in the check."""
     kernel_classes: list[str] = []
-    form: list[dict[str, bool | int | float | str | None]] = []
+    form: list[dict[str, PlainValue]] = []
     """The distinct layouts (``ModuleRecord.form``) the check covered."""
     date: str
     detail: str = ""

@@ -45,7 +45,7 @@ def describe(value: object) -> str:
     tells vLLM's CPU GEMM closures apart (``[handler]`` is oneDNN, none is the
     torch fallback); builtins such as ``F.linear`` by their own name.
     """
-    if hasattr(value, "__code__"):
+    if hasattr(value, "__code__") and hasattr(value, "__qualname__"):  # a function, or a callable that acts as one
         free = ",".join(value.__code__.co_freevars)
         return f"{value.__module__}.{value.__qualname__}" + (f"[{free}]" if free else "")
     if isinstance(value, types.BuiltinFunctionType):

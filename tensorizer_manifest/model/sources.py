@@ -13,10 +13,10 @@ as it is fed and which parameters were filled.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -32,7 +32,8 @@ _NOT_HASHED = "blake3:not-hashed"
 
 def source_record(name: str, tensor: torch.Tensor, content_hash: str | None = None) -> TensorRecord:
     """A source tensor's record, as the base stores it: contiguous, under its own name."""
-    stride, step = [], 1
+    stride: list[int] = []
+    step = 1
     for size in reversed(tensor.shape):
         stride.insert(0, step)
         step *= max(size, 1)
@@ -69,6 +70,19 @@ class ObservedSource:
             )
 
 
+class WeightLoaded(Protocol):
+    """A tensor as vLLM's loader sees it: its ``weight_loader`` is an attribute vLLM sets on the tensor (a tensor
+    takes any attribute), or a property of vLLM's own parameter classes."""
+
+    weight_loader: Callable[..., Any]
+
+
+class _ModelCode(Protocol):
+    """A module of vLLM's model code that calls ``default_weight_loader`` by its module-global name."""
+
+    default_weight_loader: Callable[..., Any]
+
+
 class SourceObserver:
     """Watches vLLM's default loader: every source tensor it reads (name, form, content hash) and, through the
     weight loaders it calls, the modules each one filled. ``source`` wraps the loader's iterator; ``watching``
@@ -103,8 +117,8 @@ class SourceObserver:
     @contextmanager
     def watching(self, model: torch.nn.Module) -> Iterator[None]:
         original_default = _vllm_compat.default_weight_loader()
-        restore: list[tuple[torch.nn.Parameter, Any]] = []
-        patched_modules: list[Any] = []
+        restore: list[tuple[WeightLoaded, Any]] = []
+        patched_modules: list[_ModelCode] = []
 
         def wrap(loader: Any) -> Any:
             def observed_loader(param, *args, **kwargs):
@@ -119,22 +133,22 @@ class SourceObserver:
                     if param is None or id(param) in self._owners:
                         continue
                     self._owners[id(param)] = (path, name)
-                    original = getattr(param, "weight_loader", None)
-                    restore.append((param, original))
-                    param.weight_loader = wrap(original or original_default)
+                    loaded = cast(WeightLoaded, param)
+                    original = getattr(loaded, "weight_loader", None)
+                    restore.append((loaded, original))
+                    loaded.weight_loader = wrap(original or original_default)
             # Model code that calls default_weight_loader by its module-global name reaches it through this.
             observed_default = wrap(original_default)
-            for module in list(sys.modules.values()):
-                name = getattr(module, "__name__", "")
-                if name.startswith("vllm.model_executor.models") and getattr(module, "default_weight_loader", None) is (
-                    original_default
-                ):
-                    module.default_weight_loader = observed_default
-                    patched_modules.append(module)
+            for imported in list(sys.modules.values()):
+                in_model_code = getattr(imported, "__name__", "").startswith("vllm.model_executor.models")
+                if in_model_code and getattr(imported, "default_weight_loader", None) is original_default:
+                    model_code = cast(_ModelCode, imported)  # it has the global: checked just above
+                    model_code.default_weight_loader = observed_default
+                    patched_modules.append(model_code)
             yield
         finally:
-            for module in patched_modules:
-                module.default_weight_loader = original_default
+            for model_code in patched_modules:
+                model_code.default_weight_loader = original_default
             for param, original in restore:
                 if original is None:
                     try:

@@ -48,7 +48,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         flat = flat.contiguous()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def hash_tensor(tensor: torch.Tensor) -> str:

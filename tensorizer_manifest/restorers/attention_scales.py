@@ -8,6 +8,8 @@ instead would reset calibrated scales to 1.0.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..model.layers import has_attention_step
 from .base import Restorer, register, state_beyond
 
@@ -16,7 +18,7 @@ class AttentionScalesRestorer(Restorer):
     name = "attention_scales"
     kernel_independent = True
     writes_tensors = False
-    handles = (
+    handles: ClassVar[tuple[str, ...]] = (
         "vllm.model_executor.layers.attention.attention.Attention",
         "vllm.model_executor.layers.quantization.kv_cache.BaseKVCacheMethod",
         "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsKVCacheMethod",

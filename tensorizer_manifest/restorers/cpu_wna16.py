@@ -92,6 +92,7 @@ def _unset_zero_point(module: Any) -> str | None:
     registered tensor (compressed-tensors' symmetric ``weight_zero_point``: a plain attribute, unlike GPTQ's
     ``qzeros`` parameter); None where the step sets no such attribute."""
     kernel = wna16_kernel(module)
+    assert kernel is not None  # a layer this restorer applies to (``applies_to``)
     name = kernel.w_zp_name
     if kernel.config.zero_points or not name or name in module._parameters or name in module._buffers:
         return None

@@ -18,6 +18,7 @@ import ast
 import inspect
 import logging
 import textwrap
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .. import _vllm_compat
@@ -160,7 +161,7 @@ def _strategy(cls: type) -> str:
     return STRATEGY_VLLM_BRANCH if "is_weights_pre_processed" in source else STRATEGY_RAW
 
 
-def _is_noop(function: object) -> bool:
+def _is_noop(function: Callable[..., object]) -> bool:
     """A body of nothing but a docstring, ``pass``, ``...``, a bare ``return`` or ``raise NotImplementedError``:
     the default of a base, or an abstract base's placeholder, neither of which changes a layer."""
     try:

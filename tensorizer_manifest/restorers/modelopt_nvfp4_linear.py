@@ -19,6 +19,8 @@ are left raw. Kernel class and device capability are the ``form``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import _vllm_compat
 from ..format.schema import qualified_class
 from .base import Restorer, device_capability, layer_kernel, register, state_beyond
@@ -46,7 +48,7 @@ _W4A4_CREATED = {"input_global_scale", "input_global_scale_inv", "alpha"}
 
 def _nvfp4(module) -> tuple[object, bool] | None:
     """(kernel, is W4A16) for a ModelOpt NVFP4 linear layer on a handled kernel, else None."""
-    quant_method = getattr(module, "quant_method", None)
+    quant_method: Any = getattr(module, "quant_method", None)  # vLLM's; not None once its class matches
     if qualified_class(quant_method) != _METHOD:
         return None
     static, dynamic = _vllm_compat.nvfp4_specs()

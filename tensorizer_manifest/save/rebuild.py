@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -56,6 +56,7 @@ from ..model.layers import (
     refuse_model_level_hook,
     snapshot_module,
 )
+from ..model.sources import WeightLoaded
 from ..storage.spill import SpillFile, same_bytes
 from .capture import Capture, CapturedLayer, CapturePolicy, classify
 
@@ -176,6 +177,25 @@ class _Layer:
     before: Any = None
 
 
+def _tensor_stores(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's parameter and buffer registries, written directly: the shadow swaps meta and real tensors in
+    and out of them without ``register_parameter``'s checks."""
+    return module._parameters, module._buffers
+
+
+class _LinearLayer(Protocol):
+    """What the kernel comparison uses of one of vLLM's linear layers."""
+
+    input_size: int
+    quant_method: Any
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: its own ``load_weights`` places the source tensors."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
+
+
 def materialized(meta: torch.Tensor) -> torch.Tensor:
     """A meta tensor made real and zeroed: vLLM's ``materialize_meta_tensor`` leaves it uninitialized, so a region
     no weight loader writes (padding: vocabulary rows, experts, packed columns) would hold whatever the allocator
@@ -294,7 +314,7 @@ class Rebuilder:
                     self._finish(layer)
             return answer
 
-        meta.weight_loader = counting_loader
+        cast(WeightLoaded, meta).weight_loader = counting_loader
 
     # -- a layer whose weights are all in ----------------------------------------------------------------------
 
@@ -302,7 +322,7 @@ class Rebuilder:
         loaded_names = {name for name, *_ in layer.loads}
         live_tensors = {name: t for name, (t, _, _) in module_tensors(layer.live).items()}
         real = {}
-        for store in (layer.shadow._parameters, layer.shadow._buffers):
+        for store in _tensor_stores(layer.shadow):
             for name, meta in list(store.items()):
                 if meta is None:
                     continue
@@ -380,7 +400,7 @@ class Rebuilder:
         if captured.state == "processed":
             captured.tensors = live.tensors  # the same bytes: written from the engine, not from the shadow
         self.results[layer.path] = captured
-        for store in (layer.shadow._parameters, layer.shadow._buffers):
+        for store in _tensor_stores(layer.shadow):
             store.clear()  # the rebuilt tensors go (the pre-step copies are on disk); the meta ones come back
         for name, (store, meta) in layer.metas.items():
             store[name] = meta
@@ -409,12 +429,13 @@ class Rebuilder:
                     "`tensorizer-manifest save SRC OUT` instead"
                 )
             return
-        features = getattr(layer.live, "input_size_per_partition", None) or layer.live.input_size
+        linears = (cast(_LinearLayer, layer.live), cast(_LinearLayer, layer.shadow))  # vLLM's (checked above)
+        features = getattr(linears[0], "input_size_per_partition", None) or linears[0].input_size
         probe = torch.randn(
             _PROBE_ROWS, features, generator=torch.Generator().manual_seed(_PROBE_SEED), dtype=torch.float32
         ).to(device=self.device, dtype=self.model_config.dtype)
         try:
-            answers = [module.quant_method.apply(module, probe) for module in (layer.live, layer.shadow)]
+            answers = [module.quant_method.apply(module, probe) for module in linears]
         except Exception as exc:  # noqa: BLE001 -- any failure means this layer cannot be compared
             raise UnsupportedModelError(
                 f"{layer.path} ({type(layer.live).__name__}): its kernel cannot be run on a probe input to compare "
@@ -459,7 +480,7 @@ class Rebuilder:
             for inner in module.modules()
             if inner is not module
         }
-        self.shadow.load_weights(weights)
+        cast(_LoadsWeights, self.shadow).load_weights(weights)  # a copy of vLLM's model
         for layer in self.layers.values():
             if not layer.done:
                 self._finish(layer)  # padded, tied or weightless: all it will get is in

@@ -112,6 +112,9 @@ class ManifestWorkerExtension:
     then the commit: each rank its own manifest (format version 2), or the first rank the generation's pointer once
     for all, and a second vote telling the others whether it did (``_first_rank_commits``)."""
 
+    #: vLLM's worker, which this class extends (``worker_extension_cls``), sets it.
+    vllm_config: Any
+
     def _tm_model(self) -> torch.nn.Module:
         return _vllm_compat.worker_model(self)
 
@@ -198,6 +201,7 @@ class ManifestWorkerExtension:
         finally:
             if capture is not None and not keep_capture:
                 _release(model, capture)
+        assert capture is not None  # found or rebuilt above, or the save raised
         return _save_summary(manifest, output_dir, capture.stem)
 
     def _tm_save_generation(
