@@ -5,8 +5,9 @@ depend on AMX) runs vLLM's own ``process_weights_after_loading`` on a random bf1
 project's snapshots diff it as the capture does. The restorer must cover exactly that diff, and a fresh
 layer given the saved tensors (laid out as the loader lays them out) must, after replay and without the
 split, hold the same projections, compute the same absorbed products and have the same scale floats.
-The engine-level proof (tokens, every tensor bitwise, the step not run) was a scratch script;
-no end-to-end test covers an MLA model yet, so the restorer stays unverified.
+The engine-level proof (tokens, every tensor bitwise, the step not run) was a scratch script: the end-to-end
+matrix's ``deepseek-v2`` kind loads its MLA layers raw on CPU (the split only makes views there, nothing to
+save), so no engine test replays this restorer, and it stays unverified.
 """
 
 from __future__ import annotations
