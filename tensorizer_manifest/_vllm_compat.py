@@ -1018,6 +1018,24 @@ def initialize_model(vllm_config: Any, model_config: Any, prefix: str = "") -> A
     return build(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
 
+@contextmanager
+def model_built(vllm_config: Any, model_config: Any, device: Any, prefix: str = "") -> Iterator[Any]:
+    """The model built as vLLM's loaders build it: on ``device`` (``torch.device("meta")``: no memory), with the
+    model's dtype as torch's default, which stays so for the block (vLLM's loaders load and run the post-load steps
+    under it: a step reads it)."""
+    with default_dtype(model_config.dtype):
+        with device:
+            model = initialize_model(vllm_config, model_config, prefix)
+        yield model
+
+
+def load_device(vllm_config: Any, load_config: Any) -> Any:
+    """The ``torch.device`` vLLM's loaders build and load on: ``load_config.device`` where set, else the engine's."""
+    import torch
+
+    return torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
+
+
 def replace_config(config: Any, **changes: Any) -> Any:
     """A copy of one of vLLM's configs with ``changes`` (vLLM's own ``replace``, which checks them)."""
     from vllm.config import replace
@@ -1025,15 +1043,20 @@ def replace_config(config: Any, **changes: Any) -> Any:
     return replace(config, **changes)
 
 
-def default_model_loader(load_config: Any = None, **changes: Any) -> Any:
-    """vLLM's default loader (safetensors or .bin), for ``load_config`` with ``changes`` (a default config
-    without)."""
+def source_load_config(load_config: Any, load_format: str = "auto") -> Any:
+    """``load_config`` for vLLM's default loader reading an engine's source: as ``load_format`` reads it (``auto``:
+    safetensors, else .bin), without the load format's own options (``model_loader_extra_config``: ours mean
+    nothing to it)."""
+    return replace_config(load_config, load_format=load_format, model_loader_extra_config={})
+
+
+def default_model_loader(load_config: Any = None) -> Any:
+    """vLLM's default loader (safetensors or .bin), for ``load_config`` (a default config without)."""
     if load_config is None:
         from vllm.config.load import LoadConfig
 
         load_config = LoadConfig()
-    loader_class = vllm_name(*_EXPORTS["DefaultModelLoader"])
-    return loader_class(replace_config(load_config, **changes) if changes else load_config)
+    return vllm_name(*_EXPORTS["DefaultModelLoader"])(load_config)
 
 
 def engine_config(**engine_args: Any) -> Any:

@@ -435,6 +435,43 @@ def test_the_exported_classes_are_vllms():
         _vllm_compat.NoSuchClass  # noqa: B018
 
 
+def test_a_model_is_built_on_the_load_device_under_its_dtype_as_vllm_s_loaders_build_it(monkeypatch):
+    """The device holds for the build only, the dtype for the whole block (vLLM's steps read it); both are put
+    back after. The load device is the load config's where set, else the engine's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    seen = {}
+
+    def build(vllm_config, model_config, prefix=""):
+        seen["prefix"] = prefix
+        return torch.nn.Linear(2, 2)
+
+    monkeypatch.setattr(_vllm_compat, "initialize_model", build)
+    engine = SimpleNamespace(device_config=SimpleNamespace(device="cpu"))
+    assert _vllm_compat.load_device(engine, SimpleNamespace(device=None)) == torch.device("cpu")
+    device = _vllm_compat.load_device(engine, SimpleNamespace(device="meta"))
+    assert device == torch.device("meta")
+    before = torch.get_default_dtype()
+    with _vllm_compat.model_built(engine, SimpleNamespace(dtype=torch.bfloat16), device, "model") as model:
+        assert (model.weight.device, model.weight.dtype, seen["prefix"]) == (device, torch.bfloat16, "model")
+        assert torch.get_default_dtype() == torch.bfloat16 and torch.empty(1).device == torch.device("cpu")
+    assert torch.get_default_dtype() == before
+
+
+def test_the_source_is_read_by_vllm_s_default_loader_without_a_load_format_s_own_options():
+    from vllm.config.load import LoadConfig
+
+    given = LoadConfig(load_format="safetensors", model_loader_extra_config={"portable": True})
+    auto = _vllm_compat.source_load_config(given)
+    assert (auto.load_format, auto.model_loader_extra_config) == ("auto", {})
+    assert _vllm_compat.source_load_config(given, given.load_format).load_format == "safetensors"
+    assert (given.load_format, given.model_loader_extra_config) == ("safetensors", {"portable": True})  # a copy
+    loader = _vllm_compat.default_model_loader(auto)
+    assert isinstance(loader, _vllm_compat.DefaultModelLoader) and loader.load_config is auto
+
+
 def test_a_name_not_declared_is_a_bug_caught_at_once():
     with pytest.raises(KeyError, match="not declared"):
         _vllm_compat.vllm_name("vllm.platforms", "not_declared")

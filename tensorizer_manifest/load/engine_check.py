@@ -48,8 +48,8 @@ def check_against_engine(
             fingerprint = engine_fingerprint(vllm_config)
             check_compatible(fp, fingerprint, manifest, str(manifest_path))
             refuse_unrecorded_settings(vllm_config, manifest, str(manifest_path))
-            with _vllm_compat.default_dtype(model_config.dtype), torch.device("meta"):
-                model = _vllm_compat.initialize_model(vllm_config, model_config)
+            with _vllm_compat.model_built(vllm_config, model_config, torch.device("meta")) as model:
+                pass
             check_model(choose_forms(manifest, model, fingerprint).manifest, model)  # as the loader: one form a layer
         except TensorizerManifestError as exc:
             return [Problem(type(exc), str(manifest_path), str(exc))]

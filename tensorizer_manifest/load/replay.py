@@ -51,7 +51,7 @@ class Replayer:
     the same result whether it runs while later layers are still being read or
     after all of them: ``layer_ready`` runs it (or the layer's restorer) at
     once, unless ``overlap_raw_steps`` / ``overlap_restorers`` say to wait (the
-    loader's ``overlap_policy``). Two kinds always wait for ``finish``, which then
+    ``load_model.overlap_policy``). Two kinds always wait for ``finish``, which then
     follows vLLM's order: layers whose tensors other layers alias (a tie must see
     the tensor as loaded, not as processed), and attention steps, which vLLM runs
     after every quant step.

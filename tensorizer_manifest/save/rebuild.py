@@ -551,8 +551,8 @@ def capture_running_engine(
             f"this engine loaded its weights with load_format={load_config.load_format!r}; only an engine vLLM's "
             "default loader loaded (from safetensors or .bin) can be rebuilt from its source"
         )
-    device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
-    loader = _vllm_compat.default_model_loader(load_config, model_loader_extra_config={})
+    device = _vllm_compat.load_device(vllm_config, load_config)
+    loader = _vllm_compat.default_model_loader(_vllm_compat.source_load_config(load_config, load_config.load_format))
     _vllm_compat.apply_expert_parallel_filter(loader, vllm_config, model)  # as the engine read them: its experts only
     rebuilder = Rebuilder(model, model_config, device, policy, spill_dir)
     try:

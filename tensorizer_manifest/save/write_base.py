@@ -38,7 +38,7 @@ BASE_STEM = "base"
 def source_weights(vllm_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine's source, read again as vLLM's default loader reads it (all of it: no expert filter)."""
     load_config = vllm_config.load_config
-    loader = _vllm_compat.default_model_loader(load_config, load_format="auto", model_loader_extra_config={})
+    loader = _vllm_compat.default_model_loader(_vllm_compat.source_load_config(load_config))
     return loader.get_all_weights(vllm_config.model_config, model)
 
 

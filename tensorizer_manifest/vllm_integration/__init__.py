@@ -8,8 +8,9 @@
 - ``register()`` is the ``vllm.general_plugins`` entry point; it runs in every
   vLLM process, workers included.
 
-``loaders`` holds the two load formats, ``worker`` the worker extension, ``plugin`` the entry point (which also
-pins a format-3 checkpoint to its current generation before vLLM reads it).
+``loaders`` holds the two load formats (the load itself is ``load``'s: ``load.plan``, ``load.load_model``),
+``worker`` the worker extension, ``plugin`` the entry point (which also pins a format-3 checkpoint to its current
+generation before vLLM reads it).
 
 The names vLLM is given (``tensorizer_manifest.vllm_integration:register``, ``WORKER_EXTENSION``) are this
 package's: they stay put whatever moves inside it. Below the CLI, above everything else (it saves and loads);
@@ -18,7 +19,8 @@ every vLLM name it uses, the loaders' base classes included, comes from ``_vllm_
 
 from __future__ import annotations
 
-from .loaders import CaptureModelLoader, CaptureOptions, LoadOptions, ManifestModelLoader
+from ..load.options import LoadOptions
+from .loaders import CaptureModelLoader, CaptureOptions, ManifestModelLoader
 from .plugin import register
 from .worker import ManifestWorkerExtension
 
