@@ -162,7 +162,9 @@ def test_a_record_of_any_logger_is_redacted(caplog):
     elsewhere.addHandler(handler)
     elsewhere.propagate = False
     try:
-        with caplog.at_level(logging.DEBUG):
+        # vLLM's own level too: once vLLM has configured its logging (an earlier test that imported it), its
+        # logger holds INFO, and the DEBUG records would never be made.
+        with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="vllm"):
             startup.info("non-default args: %s", {"model_loader_extra_config": extra})
             startup.debug(f"with config: load_config={Namespace(**extra)!r}")
             logging.getLogger("vllm.some.where").debug("argv: %s", ["--model-loader-extra-config", json.dumps(extra)])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import cast
 
 import click
 
@@ -90,10 +89,7 @@ def validate(
             with contextlib.redirect_stdout(sys.stderr):
                 from ..load.engine_check import check_against_engine
 
-                # it reads a RemoteFile too, though its annotation says Path: the cast goes once that annotation is
-                # checked after the load-plan and storage-seam changes land
-                checked = cast(Path, report.manifest_path)
-                problems += check_against_engine(checked, dtype=dtype, quantization=quantization)
+                problems += check_against_engine(report.manifest_path, dtype=dtype, quantization=quantization)
     if json:
         doc = report.to_dict()
         doc["ok"] = not problems

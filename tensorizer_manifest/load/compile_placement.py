@@ -212,8 +212,10 @@ def use_compile_form(
     # Every rank decides alike (one generation, one layout's settings, one machine): the first says why, once.
     said = logging.WARNING if vllm_config.parallel_config.rank == 0 else logging.DEBUG
 
-    def not_used(why: str) -> None:
+    def not_used(why: str) -> Path | None:
+        """The decision, no form (None), said with why."""
         logger.log(said, "%s not used: %s; vLLM compiles", where, why)
+        return None
 
     if trusted_by is None:
         return not_used(

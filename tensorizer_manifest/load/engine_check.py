@@ -7,20 +7,18 @@ run without starting an engine or reading a byte of tensor data.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .. import _vllm_compat
 from .._constants import LOAD_FORMAT
 from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_unrecorded_settings
 from ..checks.report import Problem
 from ..errors import TensorizerManifestError
-from ..storage.checkpoint import read_manifest
+from ..storage.checkpoint import FileLocation, read_manifest
 from .forms import choose_forms
 from .restore import check_model
 
 
 def check_against_engine(
-    manifest_path: Path, *, dtype: str | None = None, quantization: str | None = None
+    manifest_path: FileLocation, *, dtype: str | None = None, quantization: str | None = None
 ) -> list[Problem]:
     import torch
 

@@ -156,8 +156,9 @@ def choose_forms(
             continue
         for index, form in manifest.readable_forms():
             other = added_by_path[index].get(record.path)
-            fits = other is not None and why_not_processed(other, module, form.fingerprint, current) is None
-            if fits and usable(index):
+            if other is None:
+                continue
+            if why_not_processed(other, module, form.fingerprint, current) is None and usable(index):
                 added[record.path] = index
                 modules.append(msgspec.structs.replace(other, fallback=[]))
                 break

@@ -18,7 +18,7 @@ what the save recorded for them, content hashes included, or the load is refused
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -123,7 +123,9 @@ def _feed(
     expected = {record.name: record for record in needed}
     observer = SourceObserver(Layout(), content_hashes=verify_hashes)
     with observer.watching(model):
-        loaded = model.load_weights(observer.source(reader.stream(keys=[record.key for record in needed])))
+        # A base's records are all stored (each has its key); one that had none would be refused as unfilled below.
+        keys = [record.key for record in needed if record.key is not None]
+        loaded = cast(Any, model).load_weights(observer.source(reader.stream(keys=keys)))  # every vLLM model has it
     seen = observer.observed
     for record in seen.records:
         if verify_hashes and record.hash != expected[record.name].hash:
@@ -146,7 +148,8 @@ def _refuse_other_than_saved(
             (dtype_name(tensor.dtype), list(tensor.shape), list(tensor.stride()), tensor.storage_offset())
             != (saved.dtype, saved.shape, saved.stride, saved.storage_offset)
         )
-        if form_differs or (verify_hashes and saved.nbytes and hash_tensor(tensor.data) != saved.hash):
+        hash_differs = tensor is not None and verify_hashes and saved.nbytes and hash_tensor(tensor.data) != saved.hash
+        if form_differs or hash_differs:
             raise IntegrityError(
                 f"{reader.path.name}: layer {record.path!r} was fed from the base, and its {saved.name!r} is not "
                 f"what the save recorded ({'its form' if form_differs else 'its content hash'} differs): this vLLM's "

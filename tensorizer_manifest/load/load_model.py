@@ -27,6 +27,7 @@ from ..format.generation import BaseDocument
 from ..format.schema import Manifest, fed_from_base
 from ..progress import terminal_progress
 from ..storage.checkpoint import (
+    FileLocation,
     check_named_tensor_file,
     check_one_save,
     checkpoint_stem,
@@ -35,6 +36,7 @@ from ..storage.checkpoint import (
     load_manifest,
     no_manifest_error,
 )
+from ..storage.remote import RemoteFile
 from . import replay
 from .forms import choose_forms
 from .from_base import feed_layers, load_from_base
@@ -95,13 +97,15 @@ def _load_forms(plan: LoadPlan, add_form: FormObserver | None) -> tuple[torch.nn
     try:
         manifest, manifest_path = load_manifest(
             plan.root, plan.stem, remote=options.remote(), generation=generation, follow_pointer=False,
-            vllm_version=plan.fingerprint.vllm_version,
+            vllm_version=plan.engine.vllm_version,
         )  # fmt: skip
     except NoManifestError as exc:
         model_path = plan.model_config.model
         source = model_path if str(model_path).rstrip("/") != plan.checkpoint.rstrip("/") else None
+        tensor_file = exc.tensor_file
+        assert isinstance(tensor_file, (Path, RemoteFile))  # load_manifest names the file it found alone
         raise no_manifest_error(
-            exc.tensor_file, source=source or "SOURCE_MODEL", save_flags=_save_flags(plan.vllm_config)
+            tensor_file, source=source or "SOURCE_MODEL", save_flags=_save_flags(plan.vllm_config)
         ) from None
     if plan.named_file is not None and plan.stem == checkpoint_stem():
         check_named_tensor_file(manifest, manifest_path, plan.named_file)
@@ -122,7 +126,7 @@ def _load_forms(plan: LoadPlan, add_form: FormObserver | None) -> tuple[torch.nn
         unsealed = unsealed_warning(manifest) if plan.signing_key is None and plan.encryption_key is None else None
         if unsealed:
             logger.warning("%s: %s", manifest_path, unsealed)
-        check_compatible(manifest.fingerprint, plan.fingerprint, manifest, str(manifest_path))
+        check_compatible(manifest.fingerprint, plan.engine, manifest, str(manifest_path))
         refuse_unrecorded_settings(plan.vllm_config, manifest, str(manifest_path))
         plan.clock.lap("check_files")
         base = None if generation is None else _CheckedBase(plan)
@@ -144,7 +148,7 @@ def _restore_and_replay(
     with _vllm_compat.model_built(plan.vllm_config, plan.model_config, target_device, plan.prefix) as model:
         clock.lap("build_model")
         loaded = manifest
-        forms = choose_forms(manifest, model, plan.fingerprint, readers.usable)
+        forms = choose_forms(manifest, model, plan.engine, readers.usable)
         forms = dataclasses.replace(forms, skipped_forms=dict(readers.skipped))
         for index, reason in sorted(forms.skipped_forms.items()):
             logger.warning("added form %d is skipped, its layers load their next choice: %s", index, reason)
@@ -227,7 +231,7 @@ def _load_from_base(plan: LoadPlan, add_form: FormObserver | None) -> tuple[torc
         raise ConfigurationError(
             f"{root}: this vLLM cannot describe the forms it would make, so add-form cannot run on it ({why})"
         )
-    if add_form is not None and has_rank(generation, plan.stem, fingerprint.vllm_version):
+    if add_form is not None and has_rank(generation, plan.stem, plan.engine.vllm_version):
         raise ConfigurationError(
             f"{root}: {why}; add-form adds a form set at a layout only where this vLLM release made none (one "
             "form set a layout and release): start its engine with the settings that form set was made with"
@@ -272,24 +276,28 @@ class _CheckedBase:
     (``checkpoint.load_base``), its tensor file checked and opened (``open``)."""
 
     def __init__(self, plan: LoadPlan):
+        assert plan.generation is not None and not isinstance(plan.root, str)  # a generation is found in a folder
         self._root, self._generation = plan.root, plan.generation
         self._encryption_key = plan.encryption_key
         self._num_readers = plan.options.num_readers
         self._source_dir = plan.options.base_source_dir
-        self._found: tuple | None = None
+        self._found: tuple[BaseDocument, FileLocation, FileLocation] | None = None
+
+    def _checked(self) -> tuple[BaseDocument, FileLocation, FileLocation]:
+        if self._found is None:
+            self._found = load_base(self._root, self._generation, self._source_dir)
+        return self._found
 
     @property
     def document(self) -> BaseDocument:
-        if self._found is None:
-            self._found = load_base(self._root, self._generation, self._source_dir)
-        return self._found[0]
+        return self._checked()[0]
 
     def open(self, device: torch.device):
-        document = self.document
+        document, where, tensor_file = self._checked()
         return open_checked_base(
             document,
-            self._found[1],
-            self._found[2],
+            where,
+            tensor_file,
             encryption_key=self._encryption_key,
             device=str(device),
             num_readers=self._num_readers,
@@ -309,7 +317,7 @@ def _save_flags(vllm_config: Any) -> str:
     return " ".join(flags)
 
 
-def _log_load(manifest_path: Path, summary: dict) -> None:
+def _log_load(manifest_path: FileLocation, summary: dict) -> None:
     laps = summary["seconds"]
     raw = len({step.rpartition(":")[0] for step in summary["post_load"]})
     logger.info(

@@ -69,6 +69,14 @@ class LoadPlan:
     compile_identity: dict | None = None
     why_base: str | None = None
 
+    @property
+    def engine(self) -> Fingerprint:
+        """This engine's fingerprint, for what needs it; where this vLLM cannot be described, why (raised)."""
+        if self.fingerprint is None:
+            assert self.undescribed is not None  # set together (plan_load)
+            raise self.undescribed
+        return self.fingerprint
+
 
 def plan_load(vllm_config: Any, model_config: Any, prefix: str, options: LoadOptions, device: torch.device) -> LoadPlan:
     """Every rank's decisions, in the order they may fail: a vLLM it cannot describe is set aside (refused later,

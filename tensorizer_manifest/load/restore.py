@@ -72,9 +72,9 @@ def check_forms(manifest: Manifest, model: torch.nn.Module) -> None:
         restorer = RESTORERS.get(record.replay) if record.state == "processed" else None
         if restorer is None:
             continue
-        here = restorer.form(model.get_submodule(record.path))
-        if here != record.form:
-            differences.append((record.path, record.form, here))
+        made_here = restorer.form(model.get_submodule(record.path))
+        if made_here != record.form:
+            differences.append((record.path, record.form, made_here))
     if not differences:
         return
     path, saved, here = differences[0]
@@ -201,7 +201,7 @@ def restore_tensors(
             for t in record.tensors:
                 name = full_name(record.path, t.name)
                 if t.alias_of is not None:  # its target was recorded, so placed, before it
-                    _place_alias(model, module, t, name)
+                    _place_alias(model, module, t, t.alias_of, name)
                     continue
                 data = take(t.key) if t.key is not None else None
                 if data is not None:
@@ -245,8 +245,10 @@ class _Arrivals:
         return self._arrived.pop(key)
 
 
-def _place_alias(model: torch.nn.Module, module: torch.nn.Module, record: TensorRecord, name: str) -> None:
-    owner_path, _, attr = record.alias_of.rpartition(".")
+def _place_alias(
+    model: torch.nn.Module, module: torch.nn.Module, record: TensorRecord, alias_of: str, name: str
+) -> None:
+    owner_path, _, attr = alias_of.rpartition(".")
     target = getattr(model.get_submodule(owner_path), attr)
     if record.dtype != dtype_name(target.dtype) or record.shape != list(target.shape):
         raise IntegrityError(f"{name!r} is recorded as an alias of {record.alias_of!r} but their dtype or shape differ")

@@ -20,10 +20,10 @@ from .._error_relay import relaying
 from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..format.generation import Layout
-from ..format.schema import Fingerprint, Manifest
+from ..format.schema import Manifest
 from ..load.load_model import load_model
 from ..load.options import LoadOptions
-from ..load.plan import first_rank, plan_load, rank_stem
+from ..load.plan import LoadPlan, first_rank, plan_load, rank_stem
 from ..model.sources import SourceObserver
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, capture_around
 from ..storage.options import describe_validation_error
@@ -102,7 +102,7 @@ class ManifestModelLoader(_vllm_compat.BaseModelLoader):
         options = LoadOptions.from_load_config(self.load_config)
         device = _vllm_compat.load_device(vllm_config, self.load_config)
         plan = plan_load(vllm_config, model_config, prefix, options, device)
-        add_form = _AddForm(plan.fingerprint, plan.stem) if options.add_form else None
+        add_form = _AddForm(plan) if options.add_form else None
         model, report = load_model(plan, add_form)
         setattr(model, REPORT_ATTR, report)
         setattr(model, GENERATION_ATTR, plan.generation)
@@ -118,24 +118,25 @@ class _AddForm:
     layout's form set where the load takes the base, the processed form of the layers a form set's load takes
     through their raw fallback; left on the model for the worker's add-form to write and commit."""
 
-    def __init__(self, fingerprint: Fingerprint | None, stem: str):
-        self.fingerprint, self.stem = fingerprint, stem
+    def __init__(self, plan: LoadPlan):
+        self.plan, self.stem = plan, plan.stem
         self.layout_forms: list[Capture] = []
         self.recorder: FallbackRecorder | None = None
         self.added: tuple | None = None
 
     def around_base_steps(self, model: torch.nn.Module, run_steps, filled: dict[str, list[str]]) -> None:
-        policy = CapturePolicy(device_type=self.fingerprint.device_type)
-        self.layout_forms.append(capture_around(model, run_steps, policy, self.fingerprint))
+        policy = CapturePolicy(device_type=self.plan.engine.device_type)
+        self.layout_forms.append(capture_around(model, run_steps, policy, self.plan.engine))
         self.layout_forms[-1].base_fills = filled  # this layout's form set stores only what the steps changed
 
     def watch_fallbacks(self, model: torch.nn.Module, paths: set[str]):
-        self.recorder = FallbackRecorder(model, paths, self.fingerprint.device_type)
+        self.recorder = FallbackRecorder(model, paths, self.plan.engine.device_type)
         return self.recorder.layer_ready
 
     def fallbacks_replayed(self, loaded: Manifest) -> None:
         # with the manifest it was made from: add-form commits only over that one (write_added_form)
-        self.added = (*self.recorder.finish(self.fingerprint, self.stem), loaded)
+        assert self.recorder is not None  # the load watches the fallbacks before it replays them
+        self.added = (*self.recorder.finish(self.plan.engine, self.stem), loaded)
 
     def leave_on(self, model: torch.nn.Module) -> None:
         for capture in self.layout_forms:  # this layout's form set, for the worker's add-form to write and commit
