@@ -64,7 +64,7 @@ def random_bf16(numel: int, seed: int = 0) -> torch.Tensor:
 
 
 def bench_hashing(mb: int, repeat: int) -> None:
-    from tensorizer_manifest.model.tensors import hash_tensor, tensor_bytes
+    from tensorizer_manifest.live_model.tensors import hash_tensor, tensor_bytes
 
     rows = max(1, mb * MB // (4096 * 2))
     tensor = random_bf16(rows * 4096).reshape(rows, 4096)
@@ -126,7 +126,7 @@ def read_all(directory: Path) -> int:
 
 
 def read_and_hash_all(directory: Path) -> None:
-    from tensorizer_manifest.model.tensors import hash_tensor
+    from tensorizer_manifest.live_model.tensors import hash_tensor
     from tensorizer_manifest.storage.tensor_file import TensorFileReader
 
     tensor_path = next(directory.glob("*.tensors"))

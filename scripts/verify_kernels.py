@@ -94,7 +94,7 @@ def main() -> None:
 
     from tensorizer_manifest import _vllm_compat
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model, engine_args, why_this_cpu_cannot_run
-    from tensorizer_manifest.format.verification import read_records, write_records
+    from tensorizer_manifest.format.verification_records import read_records, write_records
 
     started = time.monotonic()
     records, failed = [], {}

@@ -180,7 +180,7 @@ def test_the_kernel_verification_table_says_each_verdict_and_what_did_not_run():
     spec = importlib.util.spec_from_file_location("verify_kernels", ROOT / "scripts" / "verify_kernels.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from tensorizer_manifest.format.verification import VerificationRecord
+    from tensorizer_manifest.format.verification_records import VerificationRecord
 
     def record(restorer: str, result: str, detail: str = "") -> VerificationRecord:
         return VerificationRecord(restorer=restorer, result=result, device_type="cuda", device_name="NVIDIA H100",

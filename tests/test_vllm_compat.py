@@ -648,7 +648,7 @@ def test_the_modules_whose_own_hook_vllm_runs(monkeypatch, finalizes):
     from vllm.model_executor.model_loader import weight_utils
 
     from tensorizer_manifest.errors import UnsupportedModelError
-    from tensorizer_manifest.model.layers import refuse_model_level_hook
+    from tensorizer_manifest.live_model.layers import refuse_model_level_hook
 
     if finalizes:
         monkeypatch.setattr(

@@ -201,7 +201,7 @@ def _opt_str(value: Any) -> str | None:
 
 def needs_same_kernels(manifest: Manifest) -> bool:
     """True when a processed layer's tensors are in a kernel-specific form and it has no raw fallback
-    (a layer with one loads through it where the engine differs: ``forms.choose_forms``)."""
+    (a layer with one loads through it where the engine differs: ``layer_forms.choose_forms``)."""
     for module in manifest.modules:
         if module.state == "processed" and module.replay != REPLAY_NONE and not module.fallback:
             restorer = RESTORERS.get(module.replay)

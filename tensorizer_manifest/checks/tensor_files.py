@@ -17,7 +17,7 @@ from ..errors import (
     UnsupportedModelError,
 )
 from ..format.schema import EncryptionKey, TensorFileRef, TensorRecord
-from ..model.tensors import hash_tensor
+from ..live_model.tensors import hash_tensor
 from ..progress import ProgressCallback, ProgressCounter
 from ..storage.checkpoint import (
     FileLocation,

@@ -103,7 +103,7 @@ class CheckedFiles:
 
     A form is an optimisation, never a single point of failure: one this loader cannot use (a record or
     restorer this version does not know, a file missing, damaged or unreachable) is skipped, with its reason in
-    ``skipped``, and its layers take their next choice (``forms.choose_forms``)."""
+    ``skipped``, and its layers take their next choice (``layer_forms.choose_forms``)."""
 
     def __init__(
         self,
@@ -401,7 +401,7 @@ def validate_checkpoint(
 def check_source_files(base: BaseDocument, source_dir: FileLocation, verify_hashes: bool = True) -> tuple[list, int]:
     """A base by reference's source files: each there with its recorded size, and (``verify_hashes``) each base
     tensor in them with its recorded content hash. Returns problems and how many hashes were checked."""
-    from ..model.sources import source_record
+    from ..live_model.sources import source_record
 
     expected = {record.name: record for record in base.tensors}
     checked = 0

@@ -26,7 +26,7 @@ from .. import _vllm_compat
 from .._constants import __version__
 from ..embedded_models.tiny import DEMO_PROMPTS
 from ..format.schema import Manifest, full_name
-from ..format.verification import VerificationRecord
+from ..format.verification_records import VerificationRecord
 from ..restorers import RESTORERS
 from ..save.from_source import save_checkpoint, shutdown
 from ..storage.checkpoint import load_manifest

@@ -42,7 +42,7 @@ def verify_kernels(
     import tempfile
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
-    from ..format.verification import user_records_dir, write_records
+    from ..format.verification_records import user_records_dir, write_records
     from .verify_kernels import verify_kernels as run_verification
 
     engine_args = parse_engine_args(engine_arg)

@@ -66,11 +66,11 @@ MadeBy = Literal["save", "add-form", "add-form-compile", "migrate"]
 BaseMode = Literal["inside", "reference"]
 
 
-class _Struct3(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+class _GenerationStruct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
     """Base of the version-3 types: a field at its default is left out of the encoding by msgspec."""
 
 
-class FileRef(_Struct3, kw_only=True):
+class FileRef(_GenerationStruct, kw_only=True):
     """A file of the checkpoint, as a generation names it: where, how large, what bytes."""
 
     path: InsidePath
@@ -78,7 +78,7 @@ class FileRef(_Struct3, kw_only=True):
     hash: ContentHash
 
 
-class ModelFile(_Struct3, kw_only=True):
+class ModelFile(_GenerationStruct, kw_only=True):
     """A file vLLM reads from its ``model`` directory (config, tokenizer, generation config): its name there, and
     the generation's own copy."""
 
@@ -86,7 +86,7 @@ class ModelFile(_Struct3, kw_only=True):
     file: FileRef
 
 
-class Layout(_Struct3, kw_only=True):
+class Layout(_GenerationStruct, kw_only=True):
     """A parallel layout: tensor-, pipeline- and expert-parallel sizes."""
 
     tp: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -94,7 +94,7 @@ class Layout(_Struct3, kw_only=True):
     ep: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
-class RankRef(_Struct3, kw_only=True):
+class RankRef(_GenerationStruct, kw_only=True):
     """One rank's manifest in a form set (``model-tp0-of-2``...)."""
 
     stem: Annotated[str, msgspec.Meta(pattern=r"^model(-tp\d+-of-\d+)?(-pp\d+-of-\d+)?$")]
@@ -105,7 +105,7 @@ class RankRef(_Struct3, kw_only=True):
     Their content is bound by the manifest (digest, prefix and head hashes, content hashes)."""
 
 
-class FormSet(_Struct3, kw_only=True):
+class FormSet(_GenerationStruct, kw_only=True):
     """Every rank's manifest for one parallel layout, as one engine (machine kind, vLLM) made them."""
 
     layout: Layout
@@ -113,7 +113,7 @@ class FormSet(_Struct3, kw_only=True):
     ranks: list[RankRef]
 
 
-class BaseRef(_Struct3, kw_only=True):
+class BaseRef(_GenerationStruct, kw_only=True):
     """The layout-free base: the source's tensors under the source's names, in the checkpoint (``inside``)
     or in the source's own files, named with their hashes (``reference``)."""
 
@@ -131,7 +131,7 @@ BASE_DOCUMENT = "base.manifest.json"
 SourceFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*$", max_length=255)]
 
 
-class SourceFile(_Struct3, kw_only=True):
+class SourceFile(_GenerationStruct, kw_only=True):
     """One safetensors file of the source a base by reference reads: its size when saved, and the base tensors
     in it (each checked by its record's content hash as it is read)."""
 
@@ -140,7 +140,7 @@ class SourceFile(_Struct3, kw_only=True):
     tensors: list[str]
 
 
-class SourceFiles(_Struct3, kw_only=True):
+class SourceFiles(_GenerationStruct, kw_only=True):
     """A base by reference (``BaseRef.mode == "reference"``): the source's own files, where the save found them."""
 
     root: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
@@ -148,7 +148,7 @@ class SourceFiles(_Struct3, kw_only=True):
     files: list[SourceFile]
 
 
-class BaseDocument(_Struct3, kw_only=True):
+class BaseDocument(_GenerationStruct, kw_only=True):
     """The layout-free base: the source's tensors as vLLM's default loader reads them, under the names the
     model's ``load_weights`` takes, and which module each one was observed to fill.
 
@@ -179,7 +179,7 @@ class BaseDocument(_Struct3, kw_only=True):
         return [t for t in self.tensors if any(path in modules for path in self.consumers.get(t.name, ()))]
 
 
-class CompileFile(_Struct3, kw_only=True):
+class CompileFile(_GenerationStruct, kw_only=True):
     """One artifact of a compile form, at ``offset`` in its archive."""
 
     path: InsidePath
@@ -188,7 +188,7 @@ class CompileFile(_Struct3, kw_only=True):
     hash: ContentHash
 
 
-class CompileForm(_Struct3, kw_only=True):
+class CompileForm(_GenerationStruct, kw_only=True):
     """What a cold engine of one machine kind would compile: used only under a verified seal."""
 
     machine: list[str]
@@ -204,7 +204,7 @@ class CompileForm(_Struct3, kw_only=True):
     files: list[CompileFile] = []
 
 
-class Generation(_Struct3, kw_only=True):
+class Generation(_GenerationStruct, kw_only=True):
     """One immutable version of a checkpoint: every file a load may use, with its hash."""
 
     format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]
@@ -231,7 +231,7 @@ class Generation(_Struct3, kw_only=True):
         return paths
 
 
-class Pointer(_Struct3, kw_only=True):
+class Pointer(_GenerationStruct, kw_only=True):
     """The current generation of a checkpoint: its id, its document and the hash of the document's bytes."""
 
     format_version: Annotated[int, msgspec.Meta(ge=GENERATIONS_FORMAT_VERSION)]

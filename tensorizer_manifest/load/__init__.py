@@ -2,7 +2,7 @@
 
 ``options`` (what a load may be given), ``plan`` (what a load decides before weights: the generation every rank
 reads, the keys, the device, the compile form, a form set or the base), ``load_model`` (the plan carried out: the
-model and its report; the loader vLLM calls, in ``vllm_integration``, is an adapter around it), ``forms`` (which
+model and its report; the loader vLLM calls, in ``vllm_integration``, is an adapter around it), ``layer_forms`` (which
 form each layer loads, chosen before a byte is read), ``restore`` (check the model against the manifest, then
 restore every tensor exactly), ``replay`` (vLLM's step exactly once for raw layers, a restorer for processed ones),
 ``engine_check`` (``validate --engine``: the same checks with no weights read), ``from_base`` (an engine no form set

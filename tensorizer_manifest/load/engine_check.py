@@ -13,7 +13,7 @@ from ..checks.fingerprint import check_compatible, engine_fingerprint, refuse_un
 from ..checks.report import Problem
 from ..errors import TensorizerManifestError
 from ..storage.checkpoint import FileLocation, read_manifest
-from .forms import choose_forms
+from .layer_forms import choose_forms
 from .restore import check_model
 
 

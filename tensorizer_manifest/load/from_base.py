@@ -26,9 +26,9 @@ from .. import _vllm_compat
 from ..errors import IntegrityError
 from ..format.generation import BaseDocument, Layout
 from ..format.schema import ModuleRecord
-from ..model.layers import post_load_steps
-from ..model.sources import ObservedSource, SourceObserver
-from ..model.tensors import dtype_name, hash_tensor
+from ..live_model.layers import post_load_steps
+from ..live_model.sources import ObservedSource, SourceObserver
+from ..live_model.tensors import dtype_name, hash_tensor
 from ..storage.tensor_file import TensorFileReader
 from .replay import run_post_load_step
 

@@ -38,8 +38,8 @@ from ..storage.checkpoint import (
 )
 from ..storage.remote import RemoteFile
 from . import replay
-from .forms import choose_forms
 from .from_base import feed_layers, load_from_base
+from .layer_forms import choose_forms
 from .plan import LoadPlan, first_rank
 from .restore import check_model, restore_tensors, without_layers
 

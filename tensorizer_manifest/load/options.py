@@ -12,7 +12,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from .._constants import LOAD_FORMAT
 from ..errors import ConfigurationError
 from ..storage.checkpoint import checkpoint_location
-from ..storage.options import (
+from ..storage.option_models import (
     S3Options,
     describe_validation_error,
     from_tensorizer_config_names,

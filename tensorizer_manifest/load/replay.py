@@ -20,7 +20,7 @@ import torch
 from .. import _vllm_compat
 from ..errors import ReplayError
 from ..format.schema import REPLAY_NONE, Manifest, ModuleRecord, kernel_map
-from ..model.layers import QUANT_METHOD_STEP, find_kernels, owners_of, post_load_steps, refuse_model_level_hook
+from ..live_model.layers import QUANT_METHOD_STEP, find_kernels, owners_of, post_load_steps, refuse_model_level_hook
 from ..restorers import RESTORERS
 
 

@@ -17,12 +17,12 @@ import torch
 from .. import _vllm_compat
 from ..errors import CompatibilityError, IntegrityError
 from ..format.schema import Manifest, ModuleRecord, TensorRecord, full_name, qualified_class
-from ..model.layers import has_post_load, module_tensors
-from ..model.tensors import dtype_name, hash_tensor, make_parameter, materialize
+from ..live_model.layers import has_post_load, module_tensors
+from ..live_model.tensors import dtype_name, hash_tensor, make_parameter, materialize
 from ..progress import ProgressCallback, ProgressCounter
 from ..restorers import RESTORERS
 from ..storage.tensor_file import TensorFileReader
-from .forms import kernel_differences
+from .layer_forms import kernel_differences
 
 
 def check_model(manifest: Manifest, model: torch.nn.Module) -> None:
@@ -184,7 +184,7 @@ def restore_tensors(
     sources = sources or {}
     stored = [t for m in manifest.modules for t in m.tensors if t.alias_of is None and t.key is not None]
     counter = ProgressCounter(progress, len(stored), sum(t.nbytes for t in stored))
-    # Only what this manifest's records name: an effective manifest (forms.choose_forms) names one form a layer.
+    # Only what this manifest's records name: an effective manifest (layer_forms.choose_forms) names one form a layer.
     # Each file is read in its own order: a layer's records are in the file of its form, in manifest order.
     wanted: dict[int, tuple[TensorFileReader, list[str]]] = {}
     for m in manifest.modules:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..model.layers import has_attention_step
+from ..live_model.layers import has_attention_step
 from .base import Restorer, register, state_beyond
 
 

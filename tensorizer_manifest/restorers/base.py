@@ -16,7 +16,7 @@ import torch
 
 from .. import _vllm_compat
 from ..format.schema import REPLAY_NONE, REPLAY_POST_LOAD, qualified_class
-from ..model.layers import LayerDiff
+from ..live_model.layers import LayerDiff
 
 
 class Restorer:
@@ -56,7 +56,7 @@ class Restorer:
 
     def verified_for(self, device_type: str) -> bool:
         """Verified on this device kind: by this project's tests, or by a ``verify-kernels`` record."""
-        from ..format.verification import recorded_verified
+        from ..format.verification_records import recorded_verified
 
         return device_type in self.verified_on or recorded_verified(self.name, device_type)
 

@@ -28,7 +28,7 @@ from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import load_generation, read_manifest
 from ..storage.generations import S3Checkpoint, refresh_top_level
-from ..storage.options import S3Options, parse_options
+from ..storage.option_models import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import fetch_model_files, publish_to_s3
 from .from_source import (

@@ -24,7 +24,7 @@ from ..format.schema import (
     RuntimeAttr,
     plain_value,
 )
-from ..model.layers import (
+from ..live_model.layers import (
     LayerDiff,
     ModuleSnapshot,
     PreStepCopies,
@@ -40,7 +40,7 @@ from ..restorers import Restorer, find_restorer
 from ..storage.spill import SpillFile
 
 if TYPE_CHECKING:
-    from ..model.sources import ObservedSource
+    from ..live_model.sources import ObservedSource
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .._signatures import takes_keywords_of
 from ..errors import CheckpointNotFoundError, ConfigurationError, TensorizerManifestError
 from ..storage.checkpoint import encryption_key_from, signing_key_from
 from ..storage.generations import LocalCheckpoint
-from ..storage.options import S3Options, parse_options
+from ..storage.option_models import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import publish_to_s3, upload_checkpoint
 

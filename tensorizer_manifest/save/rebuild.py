@@ -43,8 +43,7 @@ import torch
 from .. import _vllm_compat
 from ..errors import CheckpointNotFoundError, NotReproducibleError, UnsupportedModelError
 from ..format.schema import Fingerprint
-from ..load.replay import run_post_load_step
-from ..model.layers import (
+from ..live_model.layers import (
     ATTENTION_STEP,
     QUANT_METHOD_STEP,
     ModuleSnapshot,
@@ -56,7 +55,8 @@ from ..model.layers import (
     refuse_model_level_hook,
     snapshot_module,
 )
-from ..model.sources import WeightLoaded
+from ..live_model.sources import WeightLoaded
+from ..load.replay import run_post_load_step
 from ..storage.spill import SpillFile, same_bytes
 from .capture import Capture, CapturedLayer, CapturePolicy, classify
 

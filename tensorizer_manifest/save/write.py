@@ -48,8 +48,8 @@ from ..format.schema import (
     required_format_version,
     seal_manifest,
 )
-from ..model.layers import TensorSlot
-from ..model.tensors import make_record
+from ..live_model.layers import TensorSlot
+from ..live_model.tensors import make_record
 from ..progress import ProgressCallback, ProgressCounter
 from ..storage.files import exclusive_lock, fsync_file, remove_dead_temporaries, replace_atomically, temporary_name
 from ..storage.remote import is_model_file

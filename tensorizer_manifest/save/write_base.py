@@ -3,7 +3,7 @@
 A base is what vLLM's own loader reads from the source (the HF safetensors files), under the names the model's
 ``load_weights`` takes: fed back through ``load_weights`` at another parallel layout, on another machine or
 another vLLM release, vLLM shards, stacks and places it for that engine (``load.from_base``). Which module each
-tensor fills was observed while the engine loaded (``model.sources``). At the save the source is read again
+tensor fills was observed while the engine loaded (``live_model.sources``). At the save the source is read again
 through a loader of the same settings, and every tensor must come back with the bytes the engine loaded (their
 hashes were taken as it loaded), else nothing is written (``NotReproducibleError``): the base is the engine's
 source, not whatever the directory holds by then.
@@ -25,7 +25,7 @@ from .. import _vllm_compat
 from ..errors import NotReproducibleError
 from ..format.generation import BASE_DOCUMENT, GENERATIONS_FORMAT_VERSION, BaseDocument, encode_base
 from ..format.schema import EncryptionKey, TensorFileRef, digest_records
-from ..model.sources import ObservedSource, source_record
+from ..live_model.sources import ObservedSource, source_record
 from ..progress import ProgressCallback
 from ..storage.files import replace_atomically
 from ..storage.source_files import source_files_of

@@ -3,7 +3,7 @@
 ``checkpoint`` (where a checkpoint's files are, reading its manifests), ``remote`` (S3 and HTTP: a package of its
 own), ``remote_checkpoint`` (a whole checkpoint uploaded, its model files fetched), ``tensor_file`` and
 ``tensor_headers`` (tensorizer's files, read whole or by header), ``spill`` (tensors parked on disk while an
-engine saves), ``options`` (the option models saving and loading share), ``files`` (local files written safely:
+engine saves), ``option_models`` (the option models saving and loading share), ``files`` (local files written safely:
 the writers' lock, create-only and atomic replacement, made durable), ``generations`` (format version 3: immutable
 files and one pointer swapped by compare-and-swap, locally or on S3, and ``gc``), ``source_files`` (a base by
 reference: the source's own safetensors files, read in place of a copy), ``compile_archive`` (a compile form's

@@ -2,7 +2,7 @@
 ``load.plan`` and ``load.load_model`` do the load) and ``CaptureModelLoader`` (``tensorizer_manifest_capture``: vLLM's
 default loader, its post-load step observed), with the capture's options (the load's, ``LoadOptions``, are
 ``load.options``'). The attributes they leave on the model (``CAPTURE_ATTR``, ``REPORT_ATTR``, ``ADDED_FORM_ATTR``,
-``GENERATION_ATTR``, ``LAYOUT_FORM_ATTR``, ``COMPILE_IDENTITY_ATTR``) are named here, for the worker extension that
+``GENERATION_ATTR``, ``LAYOUT_FORM_SET_ATTR``, ``COMPILE_IDENTITY_ATTR``) are named here, for the worker extension that
 reads them.
 """
 
@@ -21,19 +21,19 @@ from ..checks.fingerprint import engine_fingerprint, refuse_unrecorded_settings
 from ..errors import ConfigurationError, UnsupportedModelError
 from ..format.generation import Layout
 from ..format.schema import Manifest
+from ..live_model.sources import SourceObserver
 from ..load.load_model import load_model
 from ..load.options import LoadOptions
 from ..load.plan import LoadPlan, first_rank, plan_load, rank_stem
-from ..model.sources import SourceObserver
 from ..save.capture import Capture, CapturePolicy, FallbackRecorder, capture_around
-from ..storage.options import describe_validation_error
+from ..storage.option_models import describe_validation_error
 
 #: What the loaders leave on the model they return, for the worker extension (``worker``) to read.
 CAPTURE_ATTR = "_tensorizer_manifest_capture"
 REPORT_ATTR = "_tensorizer_manifest_report"
 ADDED_FORM_ATTR = "_tensorizer_manifest_added_form"
 GENERATION_ATTR = "_tensorizer_manifest_generation"
-LAYOUT_FORM_ATTR = "_tensorizer_manifest_layout_form"
+LAYOUT_FORM_SET_ATTR = "_tensorizer_manifest_layout_form"
 COMPILE_IDENTITY_ATTR = "_tensorizer_manifest_compile_identity"
 
 #: Under vLLM's own logger, so that its handler and level apply: `vllm serve` shows the load line.
@@ -141,7 +141,7 @@ class _AddForm:
     def leave_on(self, model: torch.nn.Module) -> None:
         for capture in self.layout_forms:  # this layout's form set, for the worker's add-form to write and commit
             capture.stem = self.stem
-            setattr(model, LAYOUT_FORM_ATTR, capture)
+            setattr(model, LAYOUT_FORM_SET_ATTR, capture)
         if self.added is not None:
             setattr(model, ADDED_FORM_ATTR, self.added)
 

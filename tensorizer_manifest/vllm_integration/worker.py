@@ -31,7 +31,7 @@ from .loaders import (
     CAPTURE_ATTR,
     COMPILE_IDENTITY_ATTR,
     GENERATION_ATTR,
-    LAYOUT_FORM_ATTR,
+    LAYOUT_FORM_SET_ATTR,
     REPORT_ATTR,
     first_rank,
     rank_stem,
@@ -314,7 +314,7 @@ class ManifestWorkerExtension:
             )
         finally:
             capture.close()
-            delattr(model, LAYOUT_FORM_ATTR)
+            delattr(model, LAYOUT_FORM_SET_ATTR)
         fingerprint = capture.fingerprint
         return {
             "added": [layer.path for layer in capture.layers if layer.replay not in (REPLAY_NONE, REPLAY_POST_LOAD)],
@@ -357,7 +357,7 @@ class ManifestWorkerExtension:
         signing_key = signing_key_from(signing_key_file)
         encryption_key = encryption_key_from(encryption_key_file)
         model = self._tm_model()
-        layout_form = getattr(model, LAYOUT_FORM_ATTR, None)
+        layout_form = getattr(model, LAYOUT_FORM_SET_ATTR, None)
         if layout_form is not None:  # loaded from the base: this whole layout's form set
             return self._tm_add_layout_form_set(checkpoint_dir, model, layout_form, signing_key, encryption_key)
         observed = getattr(model, ADDED_FORM_ATTR, None)
@@ -446,7 +446,7 @@ class ManifestWorkerExtension:
         whichever loader each used: how a rank's state is compared when the
         engine's workers are other processes (pipeline parallel).
         """
-        from ..model.tensors import hash_tensor
+        from ..live_model.tensors import hash_tensor
 
         hashes = {}
         for path, module in self._tm_model().named_modules():

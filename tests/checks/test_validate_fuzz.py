@@ -83,7 +83,7 @@ from tensorizer_manifest.format.schema import (  # noqa: E402
     encode_manifest,
     seal_manifest,
 )
-from tensorizer_manifest.model.tensors import tensor_bytes  # noqa: E402
+from tensorizer_manifest.live_model.tensors import tensor_bytes  # noqa: E402
 from tensorizer_manifest.storage.checkpoint import load_manifest  # noqa: E402
 from tensorizer_manifest.storage.remote import RemoteFile  # noqa: E402
 from tensorizer_manifest.storage.tensor_file import (  # noqa: E402

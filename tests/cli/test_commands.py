@@ -349,7 +349,7 @@ def test_inspect_shows_the_base_and_validate_checks_its_file(tmp_path):
     from helpers.synthetic import make_capture, write_synthetic_checkpoint
 
     from tensorizer_manifest.format import generation as g
-    from tensorizer_manifest.model.sources import SourceObserver
+    from tensorizer_manifest.live_model.sources import SourceObserver
     from tensorizer_manifest.save import publish
     from tensorizer_manifest.save.write import write_checkpoint
     from tensorizer_manifest.save.write_base import write_base

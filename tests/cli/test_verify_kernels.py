@@ -39,7 +39,7 @@ def gptq_model(e2e_dir):
 @pytest.mark.e2e
 @needs_wna16
 def test_verify_kernels_passes_the_cpu_restorers_and_writes_records(gptq_model, tmp_path):
-    from tensorizer_manifest.format.verification import read_records
+    from tensorizer_manifest.format.verification_records import read_records
 
     out = tmp_path / "records.json"  # as scripts/verify_kernels.py asks for them, typed on a terminal
     shown = typed("verify-kernels", str(gptq_model), "--dtype", "bfloat16", "--work-dir", str(tmp_path / "w"),

@@ -13,9 +13,9 @@ from tensorizer_manifest.checks.validate import open_checked_base
 from tensorizer_manifest.errors import IntegrityError
 from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout
 from tensorizer_manifest.format.schema import ModuleRecord
+from tensorizer_manifest.live_model.sources import SourceObserver
+from tensorizer_manifest.live_model.tensors import make_record
 from tensorizer_manifest.load.from_base import feed_layers, load_from_base
-from tensorizer_manifest.model.sources import SourceObserver
-from tensorizer_manifest.model.tensors import make_record
 from tensorizer_manifest.save.write_base import write_base
 
 

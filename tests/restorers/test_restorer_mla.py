@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tensorizer_manifest.model.layers import LayerDiff, diff_snapshots, snapshot_module  # noqa: E402
-from tensorizer_manifest.model.tensors import make_parameter, make_record, materialize  # noqa: E402
+from tensorizer_manifest.live_model.layers import LayerDiff, diff_snapshots, snapshot_module  # noqa: E402
+from tensorizer_manifest.live_model.tensors import make_parameter, make_record, materialize  # noqa: E402
 from tensorizer_manifest.restorers import RESTORERS, find_restorer  # noqa: E402
 
 HEADS, NOPE, ROPE, V, LORA = 4, 64, 64, 64, 512  # CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576

@@ -19,7 +19,7 @@ import torch
 
 import tensorizer_manifest.restorers as restorers
 from tensorizer_manifest.format.schema import qualified_class
-from tensorizer_manifest.model.layers import LayerDiff
+from tensorizer_manifest.live_model.layers import LayerDiff
 from tensorizer_manifest.restorers import (
     BUILT_IN_MODULES,
     RESTORERS,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorizer_manifest.errors import UnsupportedModelError
-from tensorizer_manifest.model.layers import PreStepCopies, snapshot_module
+from tensorizer_manifest.live_model.layers import PreStepCopies, snapshot_module
 from tensorizer_manifest.save.capture import Recorder, classify
 from tensorizer_manifest.storage.spill import SpillFile
 

@@ -314,7 +314,7 @@ def _linear(packed: torch.Tensor) -> torch.nn.Module:
 
 
 def _compare(live: torch.nn.Module, rebuilt: torch.nn.Module, inside_attention: bool = False) -> None:
-    from tensorizer_manifest.model.layers import snapshot_module
+    from tensorizer_manifest.live_model.layers import snapshot_module
 
     rebuilder = object.__new__(rebuild.Rebuilder)  # the comparison's state alone: no model to rebuild
     rebuilder.device, rebuilder.model_config = torch.device("cpu"), type("C", (), {"dtype": torch.float32})()

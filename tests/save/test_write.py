@@ -484,7 +484,7 @@ def test_the_manifest_records_the_prefix_and_is_sealed_last(tmp_path):
 def test_pre_step_copies_on_disk_write_the_same_bytes_and_are_released_after_the_tensor_file(tmp_path):
     from helpers.synthetic import make_capture
 
-    from tensorizer_manifest.model.layers import PreStepCopies, TensorSlot
+    from tensorizer_manifest.live_model.layers import PreStepCopies, TensorSlot
     from tensorizer_manifest.save.write import write_checkpoint
     from tensorizer_manifest.storage.spill import SpillFile
 

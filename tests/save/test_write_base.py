@@ -8,7 +8,7 @@ from helpers.sources import Toy, source
 
 from tensorizer_manifest.errors import NotReproducibleError
 from tensorizer_manifest.format.generation import BASE_DOCUMENT, Layout, decode_base
-from tensorizer_manifest.model.sources import SourceObserver
+from tensorizer_manifest.live_model.sources import SourceObserver
 from tensorizer_manifest.save.write_base import write_base
 from tensorizer_manifest.storage.tensor_file import TensorFileReader
 

@@ -72,7 +72,7 @@ def main() -> None:
             result["reference_hashes"] = {}
             from vllm.model_executor.model_loader import base_loader
 
-            from tensorizer_manifest.model.tensors import hash_tensor
+            from tensorizer_manifest.live_model.tensors import hash_tensor
 
             original = base_loader.process_weights_after_loading
 

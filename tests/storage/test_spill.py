@@ -9,7 +9,7 @@ import torch
 
 from tensorizer_manifest._constants import SPILL_DIR_ENV
 from tensorizer_manifest.errors import TensorizerManifestError
-from tensorizer_manifest.model.tensors import hash_tensor
+from tensorizer_manifest.live_model.tensors import hash_tensor
 from tensorizer_manifest.storage.spill import SpillFile, spill_dir
 
 TENSORS = [

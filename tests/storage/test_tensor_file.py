@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorizer_manifest.errors import IntegrityError
-from tensorizer_manifest.model.tensors import hash_tensor
+from tensorizer_manifest.live_model.tensors import hash_tensor
 from tensorizer_manifest.storage.tensor_file import (
     TensorFileReader,
     head_hash,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorizer_manifest.format.schema import EncryptionKey
-from tensorizer_manifest.model.tensors import make_record
+from tensorizer_manifest.live_model.tensors import make_record
 from tensorizer_manifest.storage.tensor_file import head_hash, prefix_hash, prefix_size, read_index, write_tensor_file
 from tensorizer_manifest.storage.tensor_headers import LayoutError, header_problems, read_layout, scan_headers
 

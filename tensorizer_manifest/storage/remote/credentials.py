@@ -29,7 +29,7 @@ from ...errors import ConfigurationError
 #: Option names that hold credentials (in ``model_loader_extra_config`` and save options): never logged.
 CREDENTIAL_OPTIONS = frozenset({"s3_access_key_id", "s3_secret_access_key"})
 
-#: The S3 options' help, declared once: the option models' descriptions (``storage.options.S3Options``) and the
+#: The S3 options' help, declared once: the option models' descriptions (``storage.option_models.S3Options``) and the
 #: light commands' ``--s3-*`` options (``cli.parameters.remote_options``), which must not import pydantic.
 S3_OPTIONS_HELP = {
     "s3_access_key_id": "S3 access key id for an s3:// checkpoint (else ~/.s3cfg, else $AWS_ACCESS_KEY_ID).",

@@ -119,7 +119,7 @@ def test_a_transfer_cut_short_is_a_typed_error(checkpoint):
 @pytest.mark.parametrize("num_readers", [1, 2])
 def test_a_remote_read_of_one_form_skips_the_other(moto_s3, tmp_path, num_readers):
     """The loader names the tensors of each layer's chosen form; over S3 too only those arrive, intact."""
-    from tensorizer_manifest.model.tensors import hash_tensor
+    from tensorizer_manifest.live_model.tensors import hash_tensor
     from tensorizer_manifest.storage.checkpoint import load_manifest
     from tensorizer_manifest.storage.tensor_file import TensorFileReader
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorizer_manifest.errors import UnsupportedModelError
-from tensorizer_manifest.model.layers import (
+from tensorizer_manifest.live_model.layers import (
     PreStepCopies,
     describe,
     diff_snapshots,

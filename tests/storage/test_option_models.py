@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tensorizer_manifest.storage.options import S3Options, describe_validation_error
+from tensorizer_manifest.storage.option_models import S3Options, describe_validation_error
 
 
 def test_s3_fields_become_remote_options_and_the_secret_stays_hidden():

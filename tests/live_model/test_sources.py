@@ -9,8 +9,8 @@ from helpers.sources import Toy, source
 
 from tensorizer_manifest.errors import UnsupportedModelError
 from tensorizer_manifest.format.generation import Layout
-from tensorizer_manifest.model.sources import SourceObserver, source_record
-from tensorizer_manifest.model.tensors import hash_tensor
+from tensorizer_manifest.live_model.sources import SourceObserver, source_record
+from tensorizer_manifest.live_model.tensors import hash_tensor
 
 
 def test_each_source_tensor_is_recorded_with_the_modules_its_weight_loaders_filled():

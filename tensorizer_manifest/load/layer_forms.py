@@ -25,7 +25,7 @@ import torch
 
 from ..checks.fingerprint import PROCESSED_ONLY, differences
 from ..format.schema import REPLAY_POST_LOAD, Fingerprint, Manifest, ModuleRecord, kernel_map, qualified_class
-from ..model.layers import find_kernels
+from ..live_model.layers import find_kernels
 from ..restorers import RESTORERS
 
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tensorizer_manifest.errors import ManifestError
-from tensorizer_manifest.format import verification
-from tensorizer_manifest.format.verification import VerificationRecord, load_records, read_records, write_records
+from tensorizer_manifest.format import verification_records as verification
+from tensorizer_manifest.format.verification_records import (
+    VerificationRecord,
+    load_records,
+    read_records,
+    write_records,
+)
 
 
 def _record(**changes) -> VerificationRecord:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tensorizer_manifest.format import schema
-from tensorizer_manifest.load import forms
+from tensorizer_manifest.load import layer_forms as forms
 from tensorizer_manifest.restorers import RESTORERS, Restorer
 
 H = "blake3:" + "0" * 64

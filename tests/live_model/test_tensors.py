@@ -8,8 +8,8 @@ import torch
 
 from tensorizer_manifest.errors import IntegrityError, ManifestError
 from tensorizer_manifest.format.schema import TensorRecord, decode_manifest, encode_manifest
-from tensorizer_manifest.model.layers import PreStepCopies, snapshot_module
-from tensorizer_manifest.model.tensors import (
+from tensorizer_manifest.live_model.layers import PreStepCopies, snapshot_module
+from tensorizer_manifest.live_model.tensors import (
     dtype_from_name,
     hash_tensor,
     make_parameter,
