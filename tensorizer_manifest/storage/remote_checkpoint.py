@@ -34,7 +34,7 @@ from ..format.generation import (
 )
 from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, EncryptionKey, SigningKey, blake3_hex, seal_mode
 from .checkpoint import encryption_key_from, signing_key_from
-from .generations import LocalCheckpoint, S3Checkpoint, refresh_remote_top_level, stale_model_files
+from .generations import LocalCheckpoint, S3Checkpoint, stale_model_files
 from .remote import HTTP_MODEL_FILES, RemoteDir, RemoteOptions, is_model_file, probe_conditional_writes
 
 #: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
@@ -138,8 +138,7 @@ def publish_to_s3(
         )
     own = generation_dir(staged.id) + "/"
     for relative in staged.named_paths():
-        target = store.root / relative
-        if not relative.startswith(own) and target.exists():
+        if not relative.startswith(own) and store.backend.exists(relative):
             continue  # an earlier generation's file, there already
         path = staging / relative
         if not path.is_file():
@@ -153,7 +152,7 @@ def publish_to_s3(
         store.create_again(relative, path.read_bytes(), staged.id)  # there already: an earlier try's, the same
     store.commit(generation)
     try:
-        refresh_remote_top_level(store)
+        store.refresh_top_level()
         store.gc(store.plan_gc())
     except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
         logger.warning("%s: committed; tidying up after it failed (%s)", uri, exc)
