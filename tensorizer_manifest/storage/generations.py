@@ -16,7 +16,6 @@ No torch, no vLLM.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -419,14 +418,6 @@ class LocalCheckpoint(CheckpointStore):
     def __init__(self, root: str | Path):
         self.root = Path(root)
         super().__init__(LocalBackend(self.root))
-
-    @property
-    def pointer_path(self) -> Path:
-        return self.root / POINTER_NAME
-
-    def lock(self) -> AbstractContextManager[None]:
-        """The writers' lock: ``.tensorizer-manifest.json.lock`` beside the pointer."""
-        return self.backend.lock(POINTER_NAME)
 
     def refresh_top_level(self, rounds: int = 8) -> None:
         """``CheckpointStore.refresh_top_level``, after this host's temporaries of writers that were killed go."""
