@@ -258,3 +258,24 @@ def test_the_top_level_is_refreshed_from_the_current_generation(case):
     store.refresh_top_level()
     assert case.backend.read("config.json") == b'{"model_type": "llama"}'
     assert case.backend.read("tokenizer.json") is None  # vLLM would read it; this generation has none
+
+
+def test_a_local_generation_is_published_to_each_backend_over_the_one_current_there(case, tmp_path):
+    """``remote_checkpoint.publish``: what every writer to S3 does, through any backend; a second save's generation
+    goes over the first there, sealed again with its parent there."""
+    from tensorizer_manifest.storage.remote_checkpoint import publish
+
+    staged = []
+    for k in range(2):
+        local = LocalCheckpoint(tmp_path / f"staging-{k}")
+        staged.append((local.root, local.commit(_generation(local, None, b'{"k": %d}' % k)).generation))
+    store = CheckpointStore(case.backend)
+    if not case.writable:
+        with pytest.raises(ConfigurationError, match="read-only"):
+            publish(staged[0][0], store)
+        return
+    first = publish(staged[0][0], store)
+    second = publish(staged[1][0], store)
+    assert (first.id, second.id, second.parent) == (staged[0][1], staged[1][1], first.id)
+    assert CheckpointStore(case.backend).current() == second
+    assert case.backend.read("config.json") == b'{"k": 1}'
