@@ -156,6 +156,11 @@ _SHARED_TEST_FILE = {
         for name in ("save", "add_form", "inspect_command", "validate", "fetch", "gc_command", "kernels", "schema")
     },
     **{f"tensorizer_manifest.cli.{name}_command": f"cli/test_{name}" for name in ("diff", "demo", "verify_kernels")},
+    # Every storage backend passes one suite, parametrized over them.
+    **{
+        f"tensorizer_manifest.storage.backends.{name}": "storage/backends/test_backends"
+        for name in ("base", "local", "s3", "http_read_only")
+    },
 }
 
 

@@ -47,7 +47,8 @@ def gc(checkpoint: str, grace: float, orphan_grace: float, keep: tuple[str, ...]
 
     Writers do this after each commit with the defaults; run it to reclaim space sooner or on a schedule."""
     from ..format.generation import is_generation_id
-    from ..storage.generations import LocalCheckpoint, S3Checkpoint
+    from ..storage.backends import backend_for
+    from ..storage.generations import CheckpointStore
     from ..storage.remote import RemoteDir
 
     try:
@@ -60,9 +61,8 @@ def gc(checkpoint: str, grace: float, orphan_grace: float, keep: tuple[str, ...]
         location = location_of(checkpoint)
         if isinstance(location, str) and not location.startswith("s3://"):
             raise ConfigurationError(f"{location}: gc removes files; an http(s) checkpoint is read-only")
-        store = LocalCheckpoint(location) if isinstance(location, Path) else S3Checkpoint(
-            RemoteDir(location, remote_from(**remote))
-        )  # fmt: skip
+        root = location if isinstance(location, Path) else RemoteDir(location, remote_from(**remote))
+        store = CheckpointStore(backend_for(root))
         plan = store.plan_gc(grace_s=grace, orphan_grace_s=orphan_grace, keep=keep)
         removed = [] if dry_run else store.gc(plan)
     except TensorizerManifestError as exc:

@@ -27,7 +27,7 @@ from ..checks.fingerprint import engine_settings as fingerprint_settings
 from ..errors import CheckpointNotFoundError, ConfigurationError
 from ..format.schema import MANIFEST_SUFFIX
 from ..storage.checkpoint import load_generation, read_manifest
-from ..storage.generations import S3Checkpoint, refresh_top_level
+from ..storage.generations import LocalCheckpoint, S3Checkpoint
 from ..storage.option_models import S3Options, parse_options
 from ..storage.remote import RemoteDir, is_remote, probe_conditional_writes
 from ..storage.remote_checkpoint import fetch_model_files, publish_to_s3
@@ -164,7 +164,7 @@ def _add_form_to_generations(
     with tempfile.TemporaryDirectory(prefix="tensorizer-manifest-add-form-") as staging:
         stage = Path(staging)
         store.stage(stage)  # a checkpoint of an older format has no pointer: refused here, by name
-        refresh_top_level(stage)  # the model files and stubs where vLLM's ``model`` path reads them
+        LocalCheckpoint(stage).refresh_top_level()  # the model files and stubs where vLLM's ``model`` path reads them
         result = write(stage) if write is not None else _add_form(stage, opts, checkpoint_dir=uri)
         if any(rank.get("generation") for rank in result.ranks):
             publish_to_s3(  # over its parent, as sealed in the stage: nothing to seal again, no key needed

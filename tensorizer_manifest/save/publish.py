@@ -33,7 +33,7 @@ from ..format.generation import (
 from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
 from ..storage.checkpoint import checkpoint_stem, form_set_of
 from ..storage.files import make_folder
-from ..storage.generations import LocalCheckpoint, refresh_top_level
+from ..storage.generations import LocalCheckpoint
 from ..storage.remote import is_model_file
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def commit(
     store = LocalCheckpoint(publication.root)
     store.commit(generation)
     try:
-        refresh_top_level(publication.root)
+        store.refresh_top_level()
         store.gc(store.plan_gc())
     except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
         logger.warning("%s: committed; tidying up after it failed (%s)", publication.root, exc)

@@ -51,7 +51,7 @@ from ..format.schema import (
     blake3_hex,
     decode_manifest,
 )
-from .remote import RemoteDir, RemoteFile, RemoteOptions, as_remote, is_remote
+from .remote import RemoteDir, RemoteFile, RemoteOptions, locate
 
 _Key = TypeVar("_Key", SigningKey, EncryptionKey)
 
@@ -187,7 +187,10 @@ def _is_tensorizer_file(path: FileLocation) -> bool:
     return head == TENSORIZER_MAGIC
 
 
-def _manifest_beside(tensor_file: FileLocation) -> FileLocation:
+_Location = TypeVar("_Location", Path, RemoteFile)
+
+
+def _manifest_beside(tensor_file: _Location) -> _Location:
     """The manifest of a tensor file given by its path or URI (vLLM's ``tensorizer_uri``)."""
     manifest = tensor_file.parent / manifest_name_beside(tensor_file.name)
     exists = manifest.exists() if isinstance(manifest, RemoteFile) else manifest.is_file()
@@ -225,9 +228,10 @@ def find_manifest(
     ``remote`` holds the credentials and endpoint for an ``s3://`` URI. A directory or a tensor file with
     tensorizer's data and no manifest (stock vLLM's ``model.tensors``) raises ``NoManifestError``.
     """
-    if is_remote(path):
-        return _find_remote_manifest(as_remote(path, remote), stem)  # type: ignore[arg-type]
-    path = Path(path)
+    located = locate(path, remote)
+    if not isinstance(located, Path):
+        return _find_remote_manifest(located, stem)
+    path = located
     if path.is_file():
         return _manifest_beside(path) if path.name.endswith(TENSORS_SUFFIX) else path
     if path.name.endswith(TENSORS_SUFFIX) and not path.exists():
@@ -314,7 +318,8 @@ def load_manifest(
     pointer already (a loader's ranks agreed on that) and it is not looked for again."""
     root = checkpoint_root(path, remote)
     if root is None and str(path).endswith(MANIFEST_SUFFIX):  # a rank's name at the top of a format-3 checkpoint
-        named = as_remote(path, remote) if is_remote(path) else Path(path)  # type: ignore[arg-type]
+        named = locate(path, remote)
+        assert not isinstance(named, RemoteDir)  # a name ending in .manifest.json is a file's
         beside = named.parent / POINTER_NAME
         if beside.exists() if isinstance(beside, RemoteFile) else beside.is_file():  # a stub: the current one's
             root, stem = named.parent, named.name.removesuffix(MANIFEST_SUFFIX)
@@ -346,10 +351,10 @@ MAX_GENERATION_BYTES = 64 << 20
 
 def checkpoint_root(path: str | Path | RemoteFile | RemoteDir, remote: RemoteOptions | None) -> Path | RemoteDir | None:
     """The checkpoint directory or prefix ``path`` names; None where it names a file."""
-    if is_remote(path):
-        location = as_remote(path, remote)  # type: ignore[arg-type]
-        return location if isinstance(location, RemoteDir) else None
-    return Path(path) if Path(path).is_dir() else None
+    location = locate(path, remote)
+    if isinstance(location, Path):
+        return location if location.is_dir() else None
+    return location if isinstance(location, RemoteDir) else None
 
 
 def _read_bounded(location: FileLocation, what: str) -> bytes | None:
@@ -470,7 +475,8 @@ def form_set_of(generation: Generation, stem: str, vllm_version: str | None = No
     the one ``vllm_version`` made where there is one, else the newest."""
     at_layout = [s for s in generation.form_sets if any(rank.stem == stem for rank in s.ranks)]
     same_release = [s for s in at_layout if s.fingerprint.vllm_version == vllm_version]
-    return (same_release or at_layout or [None])[-1]
+    chosen = same_release or at_layout
+    return chosen[-1] if chosen else None
 
 
 def has_rank(generation: Generation, stem: str, vllm_version: str | None = None) -> bool:
@@ -504,6 +510,8 @@ def load_base(
         raise ManifestError(f"{location}: generation {generation.id} records a base {generation.base.mode}, not this")
     if base.source is not None:
         return base, location, Path(source_dir if source_dir is not None else base.source.root)
+    if base.tensor_file is None:
+        raise ManifestError(f"{location}: a base inside the checkpoint names no tensor file; save the checkpoint again")
     name = base.tensor_file.path
     placed = [path for path in generation.base.tensor_files if path.rpartition("/")[2] == name]
     if len(placed) != 1 or "/" in name:
@@ -599,7 +607,7 @@ def resolve_tensor_file(
             raise ManifestError(f"{manifest_path}: tensor file {name!r} is a link out of the checkpoint directory")
         if not path.is_file():
             placed = _placed_in_generation(manifest_path, name)
-            if placed is None or not placed.is_file():
+            if not isinstance(placed, Path) or not placed.is_file():  # a local manifest's is a local path, or None
                 raise CheckpointNotFoundError(f"{path}: the tensor file named by the manifest is missing")
             return placed
     except TensorizerManifestError:

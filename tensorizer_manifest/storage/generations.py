@@ -4,15 +4,18 @@ Writers only ever create files (``put``: create-only), under ``generations/<id>/
 pointer, only if it still names the generation the writer started from (``commit``): locally under an ``flock``
 (``LocalCheckpoint``), on S3 with a conditional PUT (``S3Checkpoint``: ``If-Match`` on the ETag read,
 ``If-None-Match: *`` for the first). Generation ids never repeat, so neither compare has an ABA. ``gc`` removes
-what no generation current within a grace period names (``docs/design.md``, "Removing old generations"); the
-walk is the same for both stores, with the storage's own timestamps. After a commit, the top level (the model
-files vLLM's ``model`` path reads, a stub at each rank's old manifest name) is refreshed from the current
-generation (``refresh_top_level``, ``refresh_remote_top_level``). No torch, no vLLM.
+what no generation current within a grace period names (``docs/design.md``, "Removing old generations"), with
+the storage's own timestamps. After a commit, the top level (the model files vLLM's ``model`` path reads, a stub
+at each rank's old manifest name) is refreshed from the current generation (``refresh_top_level``).
+
+All of it is written once (``CheckpointStore``), against ``storage.backends``' protocol: a storage is a
+``Backend`` (create-once, compare-and-swap of the pointer, listing with its timestamps), never a branch here.
+No torch, no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +24,6 @@ from ..errors import (
     CheckpointNotFoundError,
     ConcurrentWriteError,
     IntegrityError,
-    RemoteNotFoundError,
-    RemoteStorageError,
     TensorizerManifestError,
 )
 from ..format.generation import (
@@ -43,15 +44,9 @@ from ..format.generation import (
     pointer_to,
 )
 from ..format.schema import blake3_hex
-from .files import create_only, exclusive_lock, make_folder, remove_dead_temporaries, replace_atomically, temporary_name
-from .remote import (
-    PROBE_SCRATCH_PREFIX,
-    RemoteDir,
-    abort_upload,
-    list_objects,
-    probe_conditional_writes,
-    unfinished_uploads,
-)
+from .backends import Backend, LocalBackend, S3Backend
+from .files import remove_dead_temporaries
+from .remote import RemoteDir
 from .remote.uris import HTTP_MODEL_FILES
 
 #: ``gc``'s defaults: a generation stays this long after a newer one is committed (readers that read the older
@@ -60,14 +55,14 @@ from .remote.uris import HTTP_MODEL_FILES
 GRACE_S = 10 * 60.0
 ORPHAN_GRACE_S = 24 * 3600.0
 
-#: In a local stage of a remote checkpoint (``_Store.stage``): the files its generation names that stayed remote
-#: (its tensor files), one path a line, so that a commit over the stage does not take them for removed.
+#: In a local stage of a remote checkpoint (``CheckpointStore.stage``): the files its generation names that stayed
+#: remote (its tensor files), one path a line, so that a commit over the stage does not take them for removed.
 STAGED_ELSEWHERE = ".tensorizer-manifest-staged-elsewhere"
 
 
 @dataclass(frozen=True)
 class GcSettings:
-    """How long ``gc`` keeps what: see ``_Store.plan_gc``."""
+    """How long ``gc`` keeps what: see ``CheckpointStore.plan_gc``."""
 
     grace_s: float = GRACE_S
     orphan_grace_s: float = ORPHAN_GRACE_S
@@ -88,51 +83,31 @@ class GcPlan:
     settings: GcSettings = GcSettings()
 
 
-class _Store:
-    """What both stores share: reading through the pointer, committing over it, and ``gc``'s walk. A store says
-    how to read, create, list and remove its files and how to swap its pointer."""
+class CheckpointStore:
+    """A checkpoint of format version 3 in any storage (a ``backends.Backend``): reading through the pointer,
+    committing over it, ``gc``'s walk and the top level's refresh, each written once, against the backend."""
 
-    where: str
-
-    # --- what a store provides ------------------------------------------------------------------------------
-
-    def _read(self, relative: str) -> bytes | None:
-        raise NotImplementedError
-
-    def _create(self, relative: str, data: bytes) -> bool:
-        """Create the file only if none has that name; False: it existed."""
-        raise NotImplementedError
-
-    def _files(self) -> list[tuple[str, float]]:
-        """Every file under ``generations/``: its path, and when it was last written (the storage's clock)."""
-        raise NotImplementedError
-
-    def _delete(self, relative: str) -> None:
-        raise NotImplementedError
-
-    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
-        """Replace the pointer with ``data`` only if it still names ``generation.parent`` (None: there is none) and
-        ``check()`` raises nothing just before (under the writers' lock where the store has one)."""
-        raise NotImplementedError
-
-    def _stamp(self, relative: str) -> float | None:
-        """When ``relative`` was last written, by the storage's clock; None where there is none."""
-        raise NotImplementedError
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.where = backend.where
+        self._pointer_versions: dict[str, str] = {}
+        """The version token of each pointer read, by the generation it named: what a commit over it replaces."""
 
     def clock(self) -> float:
-        """The storage's clock now: the timestamp of a scratch file written for it (and removed). ``gc`` measures
-        every age by this clock, never the host's, so a host whose clock runs fast removes nothing young."""
-        raise NotImplementedError
-
-    def _tidy(self) -> None:
-        """After ``gc`` removed files: what else the store tidies (empty folders)."""
+        """The storage's clock now (``Backend.clock``). ``gc`` measures every age by this clock, never the host's,
+        so a host whose clock runs fast removes nothing young."""
+        return self.backend.clock()
 
     # --- reading --------------------------------------------------------------------------------------------
 
     def read_pointer(self) -> Pointer | None:
         """The pointer, or None where there is none (a new checkpoint, or one of format version 1 or 2)."""
-        data = self._read(POINTER_NAME)
-        return None if data is None else decode_pointer(data, f"{self.where}/{POINTER_NAME}")
+        found = self.backend.read_versioned(POINTER_NAME)
+        if found is None:
+            return None
+        pointer = decode_pointer(found[0], f"{self.where}/{POINTER_NAME}")
+        self._pointer_versions[pointer.generation] = found[1]
+        return pointer
 
     def current_generation_id(self) -> str | None:
         pointer = self.read_pointer()
@@ -147,7 +122,7 @@ class _Store:
 
     def _read_generation(self, generation_id: str, expected_hash: str | None) -> tuple[bytes, Generation]:
         relative = generation_document_path(generation_id)
-        data = self._read(relative)
+        data = self.backend.read(relative)
         if data is None:
             raise CheckpointNotFoundError(
                 f"{self.where}: generation {generation_id} is gone (a newer save was committed and the old one "
@@ -182,7 +157,7 @@ class _Store:
         local = LocalCheckpoint(target)
         refs = [m.file for m in generation.model_files] + [r.manifest for s in generation.form_sets for r in s.ranks]
         for ref in refs:
-            data = self._read(ref.path)
+            data = self.backend.read(ref.path)
             if data is None or blake3_hex(data) != ref.hash:
                 raise IntegrityError(
                     f"{self.where}/{ref.path}: {'missing' if data is None else 'not the bytes'} generation "
@@ -191,15 +166,15 @@ class _Store:
             local.put(ref.path, data)
         local.put(generation_document_path(generation.id), document)
         elsewhere = sorted(set(generation.named_paths()) - {ref.path for ref in refs})
-        replace_atomically(local.root / STAGED_ELSEWHERE, "".join(f"{path}\n" for path in elsewhere).encode())
-        replace_atomically(local.pointer_path, encode_pointer(pointer))
+        local.backend.replace(STAGED_ELSEWHERE, "".join(f"{path}\n" for path in elsewhere).encode())
+        local.backend.replace(POINTER_NAME, encode_pointer(pointer))
         return generation
 
     # --- writing --------------------------------------------------------------------------------------------
 
     def create(self, relative: str, data: bytes) -> bool:
         """Create ``relative`` with ``data`` only if no file has that name; False: one had (left as it was)."""
-        return self._create(relative, data)
+        return self.backend.create(relative, data)
 
     def create_again(self, relative: str, data: bytes, generation_id: str) -> bool:
         """``create`` for a write that may be a try again after a failure: True when this call created the file,
@@ -207,7 +182,7 @@ class _Store:
         generation's id was used by another write)."""
         if self.create(relative, data):
             return True
-        if self._read(relative) != data:
+        if self.backend.read(relative) != data:
             raise IntegrityError(
                 f"{self.where}/{relative}: generation {generation_id} was written before with other contents (an "
                 "earlier try committed it over another generation, and was refused); a generation is committed "
@@ -218,12 +193,17 @@ class _Store:
     def put(self, relative: str, data: bytes) -> FileRef:
         """Create ``relative`` with ``data``, only if no file has that name (writers never replace a file a
         generation may name). Returns its ``FileRef``."""
-        if not self._create(relative, data):
+        if not self.backend.create(relative, data):
             raise IntegrityError(
                 f"{self.where}/{relative}: already exists, and files of a checkpoint are never replaced; each write "
                 "uses a new generation id (this one was used twice)"
             )
         return FileRef(path=relative, size=len(data), hash=blake3_hex(data))
+
+    def upload(self, relative: str, source: Path) -> None:
+        """A large new file (a tensor file) under a key no generation names yet (``Backend.upload``: no
+        condition; the key carries this write's generation id, so no other writer uses it)."""
+        self.backend.upload(relative, source)
 
     def commit(self, generation: Generation) -> Pointer:
         """Write ``generation``'s document, then make it current: only if the pointer still names its parent
@@ -244,9 +224,22 @@ class _Store:
                 self._mark(pointer)
                 return pointer  # that try committed: done
         _failpoints.pause("before-commit", generation.id)
-        self._swap_pointer(encode_pointer(pointer), generation, lambda: self._check_named(generation))
+        self._swap_pointer(encode_pointer(pointer), generation)
         self._mark(pointer)
         return pointer
+
+    def _swap_pointer(self, data: bytes, generation: Generation) -> None:
+        """Replace the pointer with ``data`` only if it is still the version read that named ``generation.parent``
+        (None: only if there is none), and every file ``generation`` names is there just before (under the
+        writers' lock where the storage has one); else ``ConcurrentWriteError``, and the pointer stays."""
+        parent = generation.parent
+        if parent is not None and parent not in self._pointer_versions:
+            self.read_pointer()  # the version that names the parent, if it still does
+        version = None if parent is None else self._pointer_versions.get(parent)
+        if parent is not None and not version:
+            raise self._refuse(self.current_generation_id(), parent)
+        if not self.backend.swap(POINTER_NAME, data, version, lambda: self._check_named(generation)):
+            raise self._refuse(self.current_generation_id(), parent)
 
     def _check_named(self, generation: Generation) -> None:
         """Every file ``generation`` names, and its document, are there (what the swap is about to make current)."""
@@ -260,9 +253,11 @@ class _Store:
             )
 
     def _missing(self, relatives: list[str]) -> list[str]:
-        """Those of ``relatives`` that are not there."""
-        present = {relative for relative, _ in self._files()}
-        return [relative for relative in relatives if relative not in present]
+        """Those of ``relatives`` that are not there (a stage holds those of ``STAGED_ELSEWHERE`` where it was
+        staged from, not here)."""
+        elsewhere = set((self.backend.read(STAGED_ELSEWHERE) or b"").decode().split())
+        present = {relative for relative, _ in self.backend.files(GENERATIONS_DIR)}
+        return [relative for relative in relatives if relative not in elsewhere and relative not in present]
 
     def _mark(self, pointer: Pointer) -> None:
         """The commit's mark: best effort (without it ``gc`` counts the grace from a later, safe time)."""
@@ -305,8 +300,8 @@ class _Store:
                     f"{self.where}: no {POINTER_NAME}; gc works on checkpoints of format version 3 only"
                 )
             _failpoints.pause("gc-after-pointer", pointer.generation)
-            files = self._files()
-            swapped = self._stamp(POINTER_NAME)
+            files = self.backend.files(GENERATIONS_DIR)
+            swapped = self.backend.modified(POINTER_NAME)
             again = self.read_pointer()
             if again == pointer:
                 break
@@ -338,7 +333,9 @@ class _Store:
         for relative, mtime in files:
             folder = relative.split("/")[1]
             newest[folder] = max(newest.get(folder, 0.0), mtime)
-        delete, documents, waiting = [], [], {}
+        delete: list[str] = []
+        documents: list[str] = []
+        waiting: dict[str, str] = {}
         for relative, _ in files:
             folder = relative.split("/")[1]
             if relative in keep or not is_generation_id(folder):
@@ -378,193 +375,67 @@ class _Store:
 
     def gc(self, plan: GcPlan) -> list[str]:
         """Remove what ``plan`` says, documents last (a ``gc`` killed midway leaves a walk the next one can follow);
-        where a writer committed since the plan was made, what a new plan says. Returns the paths removed."""
-        if self.current_generation_id() != plan.current:
-            plan = self.plan_gc(plan.settings.grace_s, plan.settings.orphan_grace_s, keep=plan.settings.keep)
-        for relative in plan.delete:
-            self._delete(relative)
-        self._tidy()
-        return list(plan.delete)
+        where a writer committed since the plan was made, what a new plan says. Under the writers' lock where the
+        storage has one: no commit (which checks its files under the same lock) comes between the pointer read
+        again and the removals. Then what the storage leaves besides files (``Backend.tidy``: empty folders; a
+        killed S3 writer's unfinished uploads and scratch keys past the orphan grace). Returns what was removed."""
+        with self.backend.lock(POINTER_NAME):
+            if self.current_generation_id() != plan.current:
+                plan = self.plan_gc(plan.settings.grace_s, plan.settings.orphan_grace_s, keep=plan.settings.keep)
+            for relative in plan.delete:
+                self.backend.delete(relative)
+            return list(plan.delete) + self.backend.tidy(GENERATIONS_DIR, plan.settings.orphan_grace_s)
+
+    # --- the top level: what vLLM's ``model`` path and readers of versions 1 and 2 find ---------------------
+
+    def refresh_top_level(self, rounds: int = 8) -> None:
+        """Make the files vLLM's ``model`` path reads at the top equal to the current generation's (and remove those
+        an older generation had and this one has not), and leave a stub at each rank's old manifest name; again
+        while another writer moves the pointer meanwhile (the last writer leaves them matching). Loads give vLLM
+        the generation's own folder, or check these copies against the generation, so a stale one is refused, never
+        used."""
+        for _ in range(rounds):
+            generation = self.current()
+            if generation is None:
+                return
+            for name in stale_model_files(self.backend.names(), generation):
+                self.backend.delete(name)
+            for model_file in generation.model_files:
+                data = self.backend.read(model_file.file.path)
+                if data is None:
+                    raise CheckpointNotFoundError(
+                        f"{self.where}/{model_file.file.path}: generation {generation.id} names it, and it is gone"
+                    )
+                self.backend.replace(model_file.name, data)
+            for stem in {rank.stem for form_set in generation.form_sets for rank in form_set.ranks}:
+                self.backend.replace(f"{stem}.manifest.json", STUB)
+            if self.current_generation_id() == generation.id:
+                return
 
 
-class LocalCheckpoint(_Store):
-    """A version-3 checkpoint in a local directory: the pointer swapped under an ``flock`` by a rename."""
+class LocalCheckpoint(CheckpointStore):
+    """A version-3 checkpoint in a local directory (``backends.LocalBackend``: the pointer swapped under an
+    ``flock`` by a rename)."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        self.where = str(self.root)
+        super().__init__(LocalBackend(self.root))
 
-    @property
-    def pointer_path(self) -> Path:
-        return self.root / POINTER_NAME
-
-    def lock(self) -> Iterator[None]:
-        """The writers' lock: ``.tensorizer-manifest.json.lock`` beside the pointer."""
-        return exclusive_lock(self.root / f".{POINTER_NAME}.lock", self.pointer_path)
-
-    def _read(self, relative: str) -> bytes | None:
-        try:
-            return (self.root / relative).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def _create(self, relative: str, data: bytes) -> bool:
-        target = self.root / relative
-        make_folder(target.parent)
-        return create_only(target, data)
-
-    def _files(self) -> list[tuple[str, float]]:
-        base = self.root / GENERATIONS_DIR
-        if not base.is_dir():
-            return []
-        return sorted(  # hidden files too: the writers' lock files and temporaries go with their folder
-            (path.relative_to(self.root).as_posix(), path.stat().st_mtime) for path in base.rglob("*") if path.is_file()
-        )
-
-    def _delete(self, relative: str) -> None:
-        (self.root / relative).unlink(missing_ok=True)
-
-    def _missing(self, relatives: list[str]) -> list[str]:
-        try:  # a stage (``_Store.stage``) holds these where it was staged from, not here
-            elsewhere = set((self.root / STAGED_ELSEWHERE).read_text().split())
-        except FileNotFoundError:
-            elsewhere = set()
-        return [path for path in relatives if path not in elsewhere and not (self.root / path).is_file()]
-
-    def _stamp(self, relative: str) -> float | None:
-        try:
-            return (self.root / relative).stat().st_mtime
-        except FileNotFoundError:
-            return None
-
-    def clock(self) -> float:
-        if not self.root.is_dir():  # the file system's clock is read by writing there
-            raise CheckpointNotFoundError(f"{self.root}: no such checkpoint directory")
-        scratch = self.root / temporary_name("gc-clock")
-        scratch.write_bytes(b"")
-        try:
-            return scratch.stat().st_mtime
-        finally:
-            scratch.unlink(missing_ok=True)
-
-    def gc(self, plan: GcPlan) -> list[str]:
-        """``_Store.gc`` under the writers' lock: no commit (which checks its files under the same lock) comes
-        between the pointer read again and the removals."""
-        with self.lock():
-            return super().gc(plan)
-
-    def _tidy(self) -> None:
-        for folder in sorted((self.root / GENERATIONS_DIR).glob("**/"), key=lambda p: len(p.parts), reverse=True):
-            if folder != self.root / GENERATIONS_DIR:
-                try:
-                    folder.rmdir()  # only if empty
-                except OSError:
-                    pass
-
-    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
-        with self.lock():
-            now = self.current_generation_id()
-            if now != generation.parent:
-                raise self._refuse(now, generation.parent)
-            check()
-            replace_atomically(self.pointer_path, data)  # the commit point
+    def refresh_top_level(self, rounds: int = 8) -> None:
+        """``CheckpointStore.refresh_top_level``, after this host's temporaries of writers that were killed go."""
+        remove_dead_temporaries(self.root)
+        super().refresh_top_level(rounds)
 
 
-_CLOCK_SCRATCH = "tensorizer-manifest-clock"
-_SCRATCH_PREFIXES = (PROBE_SCRATCH_PREFIX, f".{_CLOCK_SCRATCH}.")
-
-
-class S3Checkpoint(_Store):
-    """A version-3 checkpoint under an ``s3://`` prefix: new keys created with ``If-None-Match: *``, the pointer
-    replaced with ``If-Match`` on the ETag of the version read (``If-None-Match: *`` for the first), on a server
-    whose conditional writes were probed (``remote.probe_conditional_writes``)."""
+class S3Checkpoint(CheckpointStore):
+    """A version-3 checkpoint under an ``s3://`` prefix (``backends.S3Backend``: new keys created with
+    ``If-None-Match: *``, the pointer replaced with ``If-Match`` on the ETag of the version read, on a server whose
+    conditional writes were probed)."""
 
     def __init__(self, root: RemoteDir, allow_unconditional_writes: bool = False):
         self.root = root
-        self.where = str(root)
         self.allow_unconditional_writes = allow_unconditional_writes
-        self._pointer_etag: dict[str | None, str | None] = {}
-
-    def _read(self, relative: str) -> bytes | None:
-        target = self.root / relative
-        try:
-            data = target.read_bytes(64 << 20)
-        except RemoteNotFoundError:
-            return None
-        if relative == POINTER_NAME:  # the version a commit over it replaces
-            self._pointer_etag[decode_pointer(data, str(target)).generation] = target.etag
-        return data
-
-    def _create(self, relative: str, data: bytes) -> bool:
-        probe_conditional_writes(self.root, self.allow_unconditional_writes)
-        try:
-            (self.root / relative).put_if(data, None)
-        except ConcurrentWriteError:
-            return False
-        return True
-
-    def upload(self, relative: str, source: Path) -> None:
-        """A large new file (a tensor file) under a key no generation names yet: tensorizer's upload, which
-        sets no condition; the key carries this write's generation id, so no other writer uses it."""
-        probe_conditional_writes(self.root, self.allow_unconditional_writes)
-        (self.root / relative).upload(source)
-
-    def _files(self) -> list[tuple[str, float]]:
-        prefix = GENERATIONS_DIR + "/"
-        return [(name, mtime) for name, mtime in list_objects(self.root) if name.startswith(prefix)]
-
-    def _delete(self, relative: str) -> None:
-        (self.root / relative).delete()
-
-    def _stamp(self, relative: str) -> float | None:
-        return (self.root / relative).last_modified()
-
-    def clock(self) -> float:
-        scratch = self.root / temporary_name(_CLOCK_SCRATCH)
-        scratch.put_bytes(b"")
-        try:
-            stamp = scratch.last_modified()
-        finally:
-            scratch.delete()
-        if stamp is None:
-            raise RemoteStorageError(f"{scratch}: written, then not found; the server's clock cannot be read")
-        return stamp
-
-    def gc(self, plan: GcPlan) -> list[str]:
-        """``_Store.gc``, then what a killed S3 writer leaves besides files, once older than the orphan grace by the
-        server's clock: multipart uploads never completed (S3 keeps and bills their parts) and the scratch keys of
-        the conditional-write probe and of ``clock``."""
-        removed = super().gc(plan)
-        cutoff = self.clock() - plan.settings.orphan_grace_s
-        for name, upload_id, written in unfinished_uploads(self.root):
-            if name.startswith(GENERATIONS_DIR + "/") and written <= cutoff:
-                abort_upload(self.root, name, upload_id)
-                removed.append(f"{name} (an unfinished upload, aborted)")
-        for name, written in list_objects(self.root):
-            if "/" not in name and name.startswith(_SCRATCH_PREFIXES) and written <= cutoff:
-                (self.root / name).delete()
-                removed.append(name)
-        return removed
-
-    def _swap_pointer(self, data: bytes, generation: Generation, check: Callable[[], None]) -> None:
-        parent = generation.parent
-        probe_conditional_writes(self.root, self.allow_unconditional_writes)
-        if parent is not None and parent not in self._pointer_etag:
-            self.read_pointer()  # the ETag of the version that names the parent, if it still does
-        etag = None if parent is None else self._pointer_etag.get(parent)
-        if parent is not None and etag is None:
-            raise self._refuse(self.current_generation_id(), parent)
-        check()
-        try:
-            (self.root / POINTER_NAME).put_if(data, etag)  # the commit point
-        except ConcurrentWriteError:
-            now = self.current_generation_id()
-            if now == generation.id:  # a try whose answer was lost did it (ids never repeat): committed
-                return
-            raise self._refuse(now, parent) from None
-
-
-# --- the top level: what vLLM's ``model`` path and readers of versions 1 and 2 find ---------------------------
+        super().__init__(S3Backend(root, allow_unconditional_writes))
 
 
 def stale_model_files(names: Iterable[str], generation: Generation) -> list[str]:
@@ -572,48 +443,3 @@ def stale_model_files(names: Iterable[str], generation: Generation) -> list[str]
     generation config) and ``generation`` has not: another save's, left behind."""
     own = {m.name for m in generation.model_files}
     return sorted(name for name in names if name in HTTP_MODEL_FILES and name not in own)
-
-
-def refresh_top_level(root: Path, rounds: int = 8) -> None:
-    """Make the files vLLM's ``model`` path reads at the top equal to the current generation's (and remove those an
-    older generation had and this one has not), and leave a stub at each rank's old manifest name; again while
-    another writer moves the pointer meanwhile (the last writer leaves them matching). This host's temporaries of
-    writers that were killed go too. Loads give vLLM the generation's own folder, or check these copies against the
-    generation, so a stale one is refused, never used."""
-    store = LocalCheckpoint(root)
-    remove_dead_temporaries(root)
-    for _ in range(rounds):
-        generation = store.current()
-        if generation is None:
-            return
-        for name in stale_model_files((p.name for p in root.iterdir() if p.is_file()), generation):
-            (root / name).unlink(missing_ok=True)
-        for model_file in generation.model_files:
-            data = (root / model_file.file.path).read_bytes()
-            target = root / model_file.name
-            if not target.is_file() or target.read_bytes() != data:
-                replace_atomically(target, data)
-        for stem in {rank.stem for form_set in generation.form_sets for rank in form_set.ranks}:
-            stub = root / f"{stem}.manifest.json"
-            if not stub.is_file() or stub.read_bytes() != STUB:
-                replace_atomically(stub, STUB)
-        if store.current_generation_id() == generation.id:
-            return
-
-
-def refresh_remote_top_level(store: S3Checkpoint, rounds: int = 8) -> None:
-    """``refresh_top_level`` on S3: the model files at the prefix's top and the stubs, from the current
-    generation, again while another writer moves the pointer."""
-    for _ in range(rounds):
-        generation = store.current()
-        if generation is None:
-            return
-        for name in stale_model_files(store.root.list_names(), generation):
-            (store.root / name).delete()
-        wanted = {m.name: store.root / m.file.path for m in generation.model_files}
-        wanted.update({f"{rank.stem}.manifest.json": None for fs in generation.form_sets for rank in fs.ranks})
-        for name, source in wanted.items():
-            data = STUB if source is None else source.read_bytes(64 << 20)
-            (store.root / name).put_bytes(data)
-        if store.current_generation_id() == generation.id:
-            return

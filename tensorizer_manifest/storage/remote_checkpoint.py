@@ -1,7 +1,7 @@
-"""A whole checkpoint to and from remote storage: ``publish_to_s3`` (a local generation of format version 3
-committed to an S3 prefix: what every writer to S3 does), ``upload_checkpoint`` (a checkpoint saved locally, of any
-version, to an S3 prefix) and ``fetch_model_files`` (a remote checkpoint's config and tokenizer files, for vLLM's
-``model``).
+"""A whole checkpoint to and from remote storage: ``publish`` (a local generation of format version 3 committed
+to another store, through its backend; ``publish_to_s3``: to an S3 prefix, what every writer to S3 does),
+``upload_checkpoint`` (a checkpoint saved locally, of any version, to an S3 prefix) and ``fetch_model_files`` (a
+remote checkpoint's config and tokenizer files, for vLLM's ``model``).
 
 Beside ``checkpoint`` (which finds and reads a checkpoint's files, local or remote); the objects themselves,
 their credentials and failures are the ``remote`` package's.
@@ -34,7 +34,7 @@ from ..format.generation import (
 )
 from ..format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX, EncryptionKey, SigningKey, blake3_hex, seal_mode
 from .checkpoint import encryption_key_from, signing_key_from
-from .generations import LocalCheckpoint, S3Checkpoint, refresh_remote_top_level, stale_model_files
+from .generations import CheckpointStore, LocalCheckpoint, S3Checkpoint, stale_model_files
 from .remote import HTTP_MODEL_FILES, RemoteDir, RemoteOptions, is_model_file, probe_conditional_writes
 
 #: A pointer, generation document or model file fetched whole is refused above this (they hold no weights).
@@ -107,44 +107,63 @@ def publish_to_s3(
     allow_unconditional_writes: bool = False,
     only_over_its_parent: bool = False,
 ) -> Generation:
-    """The current generation of the local checkpoint ``staging``, committed to ``uri`` over the generation current
-    there: every file it names uploaded as a new key (its own folder's; an earlier generation's only where ``uri``
-    lacks it; nothing a committed generation names is touched), its document sealed again when its parent there
-    differs, then one conditional PUT of the pointer (``ConcurrentWriteError`` when another writer committed
-    since this one read it). A failure before that PUT commits nothing: what was uploaded is an orphan that ``gc``
-    removes. Then the top level is refreshed and old generations collected.
+    """The current generation of the local checkpoint ``staging``, committed to the ``s3://`` prefix ``uri``
+    (``publish`` to its ``S3Checkpoint``)."""
+    store = S3Checkpoint(RemoteDir(uri, options), allow_unconditional_writes)
+    return publish(
+        staging,
+        store,
+        signing_key=signing_key,
+        encryption_key=encryption_key,
+        only_over_its_parent=only_over_its_parent,
+    )
+
+
+def publish(
+    staging: Path,
+    store: CheckpointStore,
+    *,
+    signing_key: SigningKey | None = None,
+    encryption_key: EncryptionKey | None = None,
+    only_over_its_parent: bool = False,
+) -> Generation:
+    """The current generation of the local checkpoint ``staging``, committed to ``store`` (any backend) over the
+    generation current there: every file it names written as a new key (its own folder's; an earlier generation's
+    only where ``store`` lacks it; nothing a committed generation names is touched), its document sealed again when
+    its parent there differs, then one compare-and-swap of the pointer (``ConcurrentWriteError`` when another writer
+    committed since this one read it). A failure before that swap commits nothing: what was written is an orphan
+    that ``gc`` removes. Then the top level is refreshed and old generations collected.
 
     ``only_over_its_parent``: a write made from one generation (an add-form keeps its tensor files and adds to
     its manifests) is committed over that one only, never over a newer save (``ConcurrentWriteError``)."""
+    where = store.where
     staged = LocalCheckpoint(staging).current()
     if staged is None:
         raise CheckpointNotFoundError(f"{staging}: no generation to publish")
     if staged.base is not None and staged.base.mode == "reference":
         raise ConfigurationError(
             f"{staging}: its base names the source's files on this machine (saved with base='reference'), which an "
-            f"{uri} checkpoint cannot read: save it with base='inside' to publish it"
+            f"{where} checkpoint cannot read: save it with base='inside' to publish it"
         )
-    store = S3Checkpoint(RemoteDir(uri, options), allow_unconditional_writes)
     parent = staged.parent if only_over_its_parent else store.current_generation_id()
     generation = staged
     if parent != staged.parent:  # checked before anything is uploaded
         if staged.seal is not None and staged.seal.mode != seal_mode(signing_key, encryption_key):
             raise ConfigurationError(
                 f"{staging}: generation {staged.id} is sealed with a key ({staged.seal.mode}), and committing it over "
-                f"generation {parent or 'none'} at {uri} seals it again: give the same key"
+                f"generation {parent or 'none'} at {where} seals it again: give the same key"
             )
         generation = seal_generation(
             msgspec.structs.replace(staged, parent=parent, seal=None), signing_key, encryption_key
         )
     own = generation_dir(staged.id) + "/"
     for relative in staged.named_paths():
-        target = store.root / relative
-        if not relative.startswith(own) and target.exists():
+        if not relative.startswith(own) and store.backend.exists(relative):
             continue  # an earlier generation's file, there already
         path = staging / relative
         if not path.is_file():
             raise CheckpointNotFoundError(
-                f"{path}: generation {staged.id} names it, and it is neither here nor at {uri}; save the checkpoint "
+                f"{path}: generation {staged.id} names it, and it is neither here nor at {where}; save the checkpoint "
                 "again"
             )
         if path.stat().st_size >= SMALL_FILE_BYTES:
@@ -153,10 +172,10 @@ def publish_to_s3(
         store.create_again(relative, path.read_bytes(), staged.id)  # there already: an earlier try's, the same
     store.commit(generation)
     try:
-        refresh_remote_top_level(store)
+        store.refresh_top_level()
         store.gc(store.plan_gc())
     except (OSError, TensorizerManifestError) as exc:  # the commit stands; the next writer or `gc` does it
-        logger.warning("%s: committed; tidying up after it failed (%s)", uri, exc)
+        logger.warning("%s: committed; tidying up after it failed (%s)", where, exc)
     return generation
 
 

@@ -111,7 +111,7 @@ class SpillFile:
             flat = flat.cpu()
         flat = flat.contiguous()
         nbytes = flat.numel() * flat.element_size()
-        view = memoryview(flat.view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        view = flat.view(torch.uint8).numpy().data if nbytes else memoryview(b"")
         digest = blake3.blake3(view).hexdigest()
         with self._lock:
             offset = self._end
@@ -145,7 +145,7 @@ class SpillFile:
                 raise ValueError(f"the buffer must be a contiguous uint8 tensor of at least {stored.nbytes} bytes")
             out = buffer.view(-1)[: stored.nbytes].view(stored.dtype).view(stored.shape)
         if stored.nbytes:
-            self._read_into(memoryview(out.view(-1).view(torch.uint8).numpy()), stored.offset)
+            self._read_into(out.view(-1).view(torch.uint8).numpy().data, stored.offset)
         return out
 
     def same_bytes(self, stored: StoredTensor, tensor: torch.Tensor) -> bool:
@@ -164,7 +164,7 @@ class SpillFile:
         for start in range(0, stored.nbytes, _COMPARE_CHUNK):
             n = min(_COMPARE_CHUNK, stored.nbytes - start)
             chunk = self._scratch[:n]
-            self._read_into(memoryview(chunk.numpy()), stored.offset + start)
+            self._read_into(chunk.numpy().data, stored.offset + start)
             if not torch.equal(chunk, live[start : start + n]):
                 return False
         return True

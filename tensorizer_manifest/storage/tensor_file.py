@@ -370,7 +370,7 @@ def _remote_head_hash(path: RemoteFile, spans: list[tuple[int, int]], size: int)
     for group in request_groups(_keep_ranges(spans, size), read_through_budget(size)):
         position = group[0][0]
         wanted = iter(group)
-        current = next(wanted)
+        current: tuple[int, int] | None = next(wanted)
         for chunk in path.read_range(group[0][0], group[-1][1]):
             offset = 0
             while offset < len(chunk) and current is not None:

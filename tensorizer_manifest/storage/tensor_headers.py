@@ -356,7 +356,9 @@ def scan_headers(
 def _entry_mismatches(
     key: str, record: TensorRecord, where: str, dtype: bytes, shape: tuple[int, ...], data_length: int
 ) -> list[str]:
-    found = [("dtype", _dtype_name(dtype) or repr(dtype.decode("utf-8", "backslashreplace")), record.dtype)]
+    found: list[tuple[str, object, object]] = [
+        ("dtype", _dtype_name(dtype) or repr(dtype.decode("utf-8", "backslashreplace")), record.dtype)
+    ]
     found += [("shape", list(shape), record.shape), ("data length", data_length, record.nbytes)]
     return [
         f"tensor {key!r}: {where} says {field} {value}, the manifest records {recorded}"

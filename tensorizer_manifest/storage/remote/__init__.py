@@ -32,6 +32,7 @@ from .objects import (
     as_remote,
     is_remote,
     list_objects,
+    locate,
     probe_conditional_writes,
     unfinished_uploads,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RemoteOptions",
     "abort_upload",
     "as_remote",
+    "locate",
     "is_model_file",
     "is_remote",
     "list_objects",

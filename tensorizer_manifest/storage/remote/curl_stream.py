@@ -115,6 +115,7 @@ def open_read(
     headers = None
     url = uri
     if s3:
+        assert presign is not None  # an S3 stream without it took tensorizer's plain stream above
         url = _presigned_url(uri, options, presign, presigned)
         headers = {"If-Match": if_match} if if_match and not if_match.startswith("W/") else None  # If-Match is strong
     stream = cls(url, begin=begin, end=end, headers=headers, certificate_handling=stall)

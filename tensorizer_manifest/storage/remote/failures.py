@@ -69,10 +69,11 @@ _TRANSIENT_CODES = frozenset({"InternalError", "RequestTimeout"})
 
 def _messages(exc: BaseException) -> str:
     seen, text = set(), []
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        text.append(f"{type(link).__name__}: {link}")
+        link = link.__cause__ or link.__context__
     return " | ".join(text)
 
 

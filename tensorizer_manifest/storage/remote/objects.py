@@ -464,6 +464,15 @@ def probe_conditional_writes(location: RemoteDir, allow_unconditional: bool = Fa
         )
 
 
+def locate(
+    location: str | os.PathLike[str] | RemoteFile | RemoteDir, options: RemoteOptions | None = None
+) -> Path | RemoteFile | RemoteDir:
+    """Where ``location`` is: a URI (or a remote object) as a remote file or prefix (``as_remote``), else a path."""
+    if isinstance(location, RemoteFile | RemoteDir) or (isinstance(location, str) and is_remote(location)):
+        return as_remote(location, options)
+    return Path(location)
+
+
 def as_remote(location: str | RemoteFile | RemoteDir, options: RemoteOptions | None = None) -> RemoteFile | RemoteDir:
     """A URI as a file (its name ends in ``.manifest.json`` or ``.tensors``) or as a checkpoint prefix."""
     if isinstance(location, RemoteFile | RemoteDir):
