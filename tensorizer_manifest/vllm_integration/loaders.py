@@ -149,7 +149,7 @@ class _AddForm:
 class CaptureModelLoader(_vllm_compat.DefaultModelLoader):
     """vLLM's default loader, with the post-load step observed so the engine can save itself."""
 
-    def __init__(self, load_config):
+    def __init__(self, load_config: Any) -> None:
         self.options = CaptureOptions.from_load_config(load_config)
         self.observer: SourceObserver | None = None
         # The default loader picks weight files by load format; read them as "auto" does.
