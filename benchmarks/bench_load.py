@@ -27,7 +27,8 @@ round (so each pair meets the same machine), and ratios are taken per round, the
 median, min and max. Machine references, measured in the same run: reading the large tensor file into
 fresh memory with one and with two threads, into touched memory, and blake3 on one core; and in every
 round, beside the paths, the processed tensor file read into fresh memory with two threads in a process
-of its own (``read-reference``), the base of the "read + hash + restore" ratio, paired round by round.
+of its own (``read-reference``: with format version 3 the base too), the base of the "read + hash + restore"
+ratio, paired round by round.
 Saving is measured too (time and peak RSS of ``save_checkpoint``, and the peak per phase: vLLM's own load,
 then the capture and the write; run one with ``bench_load.py child save MODEL_DIR OUT_DIR``, with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Figures, never assertions.
@@ -245,11 +246,12 @@ def child(argv: list[str]) -> dict:
         except Exception:  # vLLM then downloads extra artifacts from the hub, which fails offline
             pass
         return {}
-    if mode == READ_REFERENCE:  # the processed tensor file read into fresh memory, in a process of its own
+    if mode == READ_REFERENCE:  # the files a processed load reads, into fresh memory, in a process of its own
         import torch  # noqa: F401  (imported before the clock starts)
 
         start = time.perf_counter()
-        read_fresh(Path(argv[1]), 2)
+        for tensor_file in argv[1:]:
+            read_fresh(Path(tensor_file), 2)
         return {"path": READ_REFERENCE, "seconds": time.perf_counter() - start}
     return load(mode, argv[1], argv[2] if len(argv) > 2 else "")
 
@@ -546,6 +548,20 @@ def plot(summaries: list[dict], refs: dict, path: Path) -> None:
     print(f"plot: {path}")
 
 
+def tensor_files_read(checkpoint: str) -> list[Path]:
+    """Every tensor file a load of ``checkpoint`` reads: its rank's, and (format version 3) its generation's base
+    inside the checkpoint, which feeds the layers the form set leaves to it."""
+    from tensorizer_manifest.format.generation import POINTER_NAME
+    from tensorizer_manifest.storage.checkpoint import load_base, load_generation
+
+    files = [tensor_file_of(checkpoint)]
+    if (Path(checkpoint) / POINTER_NAME).exists():
+        generation, _ = load_generation(Path(checkpoint))
+        if generation.base is not None and generation.base.mode != "reference":
+            files.append(Path(load_base(Path(checkpoint), generation)[2]))
+    return files
+
+
 def tensor_file_of(checkpoint: str) -> Path:
     """The tensor file a load of ``checkpoint`` reads (format version 3: in its current generation's folder)."""
     from tensorizer_manifest.storage.checkpoint import load_manifest, resolve_tensor_file
@@ -586,11 +602,11 @@ def main() -> None:
         dirs = prepare(args.work, size)
         paths = [p for p in args.paths.split(",") if p] + ([] if args.no_read_reference else [READ_REFERENCE])
         runs = []
-        tensor_file = tensor_file_of(dirs["processed"])
+        read_by_a_load = [str(path) for path in tensor_files_read(dirs["processed"])]
         for round_ in range(args.rounds):
             for path in paths if round_ % 2 == 0 else paths[::-1]:  # alternate the order between rounds
                 if path == READ_REFERENCE:
-                    runs.append(run_child(READ_REFERENCE, str(tensor_file)))
+                    runs.append(run_child(READ_REFERENCE, *read_by_a_load))
                     continue
                 target = {"default": dirs["model"], "default-fallback": dirs["model"], "tensorizer": dirs["model"],
                           "manifest-mixed": dirs["mixed"], "manifest-processed": dirs["processed"],
