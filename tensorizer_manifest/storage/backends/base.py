@@ -15,6 +15,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from ..remote import RemoteDir, RemoteFile
+
 #: A whole object read over the network (a pointer, a document, a manifest, a model file) is refused above this,
 #: before it is read: none of them holds weights.
 SMALL_OBJECT_BYTES = 64 << 20
@@ -102,3 +104,24 @@ class Backend(Protocol):
         folders; unfinished uploads and scratch objects older than ``orphan_grace_s`` by its clock). Returns what
         is worth reporting, as ``name (why)`` or a key."""
         ...
+
+
+class RemoteObjects:
+    """What the remote backends read alike, through ``storage.remote``'s objects (ranged reads pinned to one
+    version, sizes, existence): ``S3Backend`` and ``HttpReadOnlyBackend`` differ in what they may write and list."""
+
+    def __init__(self, root: RemoteDir):
+        self.root = root
+        self.where = str(root)
+
+    def _object(self, key: str) -> RemoteFile:
+        return self.root / key
+
+    def read_range(self, key: str, begin: int, end: int) -> bytes:
+        return b"".join(self._object(key).read_range(begin, end))
+
+    def size(self, key: str) -> int:
+        return self._object(key).size()
+
+    def exists(self, key: str) -> bool:
+        return self._object(key).exists()

@@ -11,19 +11,11 @@ from pathlib import Path
 
 from ...errors import ConfigurationError, RemoteNotFoundError
 from ...format.schema import blake3_hex
-from ..remote import RemoteDir, RemoteFile
-from .base import SMALL_OBJECT_BYTES
+from .base import SMALL_OBJECT_BYTES, RemoteObjects
 
 
-class HttpReadOnlyBackend:
+class HttpReadOnlyBackend(RemoteObjects):
     """The objects under ``root`` (an ``http://`` or ``https://`` URI); a key is a path below it."""
-
-    def __init__(self, root: RemoteDir):
-        self.root = root
-        self.where = str(root)
-
-    def _object(self, key: str) -> RemoteFile:
-        return self.root / key
 
     def _read_only(self, key: str) -> ConfigurationError:
         return ConfigurationError(f"{self._object(key)}: only s3:// checkpoints can be written; http(s) is read-only")
@@ -46,15 +38,6 @@ class HttpReadOnlyBackend:
     def read_versioned(self, key: str) -> tuple[bytes, str] | None:
         data = self.read(key)
         return None if data is None else (data, blake3_hex(data))
-
-    def read_range(self, key: str, begin: int, end: int) -> bytes:
-        return b"".join(self._object(key).read_range(begin, end))
-
-    def size(self, key: str) -> int:
-        return self._object(key).size()
-
-    def exists(self, key: str) -> bool:
-        return self._object(key).exists()
 
     def files(self, prefix: str) -> list[tuple[str, float]]:
         raise self._unlisted(prefix)

@@ -15,29 +15,24 @@ from ..files import temporary_name
 from ..remote import (
     PROBE_SCRATCH_PREFIX,
     RemoteDir,
-    RemoteFile,
     abort_upload,
     list_objects,
     probe_conditional_writes,
     unfinished_uploads,
 )
-from .base import SMALL_OBJECT_BYTES
+from .base import SMALL_OBJECT_BYTES, RemoteObjects
 
 CLOCK_SCRATCH = "tensorizer-manifest-clock"
 #: The scratch keys at the prefix's top that a killed process may leave: the probe's and the clock's.
 SCRATCH_PREFIXES = (PROBE_SCRATCH_PREFIX, f".{CLOCK_SCRATCH}.")
 
 
-class S3Backend:
+class S3Backend(RemoteObjects):
     """The objects under ``root``; a key is a name below the prefix."""
 
     def __init__(self, root: RemoteDir, allow_unconditional_writes: bool = False):
-        self.root = root
-        self.where = str(root)
+        super().__init__(root)
         self.allow_unconditional_writes = allow_unconditional_writes
-
-    def _object(self, key: str) -> RemoteFile:
-        return self.root / key
 
     def _folder(self, prefix: str) -> RemoteDir:
         return RemoteDir(f"{self.root.uri}/{prefix.strip('/')}", self.root.options) if prefix.strip("/") else self.root
@@ -58,15 +53,6 @@ class S3Backend:
         except RemoteNotFoundError:
             return None
         return data, target.etag or ""  # "" (no ETag kept): no swap can match it
-
-    def read_range(self, key: str, begin: int, end: int) -> bytes:
-        return b"".join(self._object(key).read_range(begin, end))
-
-    def size(self, key: str) -> int:
-        return self._object(key).size()
-
-    def exists(self, key: str) -> bool:
-        return self._object(key).exists()
 
     def files(self, prefix: str) -> list[tuple[str, float]]:
         below = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
