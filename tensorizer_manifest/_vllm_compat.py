@@ -582,6 +582,16 @@ def before_engine_config(hook: Callable[[Any], None]) -> None:
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
+#: What vLLM raises in the process that waits for its engine core when the core or a worker failed to start (its
+#: own reason is only in their log): ``wait_for_engine_startup``'s message.
+ENGINE_START_FAILED = "Engine core initialization failed"
+
+
+def is_engine_start_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is vLLM's "the engine did not start" (``ENGINE_START_FAILED``), for a reason of its own."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(ENGINE_START_FAILED)
+
+
 def on_engine_start_failure(translate: Callable[[Exception], Exception | None]) -> bool:
     """Where this process waits for its engine core processes to start, raise ``translate(error)`` in place of
     vLLM's error (``Engine core initialization failed. See root cause above``), chained to it, when it gives one.

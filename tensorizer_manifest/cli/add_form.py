@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, fail, json_dumps
+from .output import console, engine_did_not_start, fail, json_dumps
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
     PARALLEL_SIZES,
@@ -66,6 +66,8 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
         result = add_form(checkpoint, **options, engine_args=parse_engine_args(engine_arg))
     except TensorizerManifestError as exc:
         fail(exc)
+    except RuntimeError as exc:
+        engine_did_not_start(exc)
     if json:
         console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))
         return

@@ -40,6 +40,23 @@ def fail(exc: BaseException) -> NoReturn:
     raise SystemExit(2 if isinstance(exc, ConfigurationError) else 1)
 
 
+def engine_did_not_start(exc: RuntimeError) -> NoReturn:
+    """vLLM's engine did not start for a reason of its own (memory, a setting): one red line that says where that
+    reason is, exit 1. Any other error goes on as it was."""
+    from .. import _vllm_compat
+
+    if not _vllm_compat.is_engine_start_failure(exc):
+        raise exc
+    err_console().print(
+        "[red]error:[/red] vLLM's engine did not start, for a reason of its own: it is in vLLM's log above (the "
+        "engine core's or a worker's ERROR lines; on a CPU, often memory: --engine-arg kv_cache_memory_bytes=N "
+        "sets the KV cache's size). Nothing was committed.",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise SystemExit(1)
+
+
 def write_json(value: object) -> None:
     """A report for tools on stdout: msgspec's JSON, indented, and nothing else."""
     import msgspec

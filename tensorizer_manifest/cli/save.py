@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, fail
+from .output import console, engine_did_not_start, fail
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
     PARALLEL_SIZES,
@@ -87,6 +87,8 @@ def save(
         result = save_checkpoint(src, out, **options, engine_args=engine_args, progress=interactive())
     except TensorizerManifestError as exc:
         fail(exc)
+    except RuntimeError as exc:
+        engine_did_not_start(exc)
     for rank in result.ranks:
         console().print(
             f"saved {rank['tensor_file']} ({rank['bytes']:,} bytes, {rank['layers']} layers, "

@@ -148,6 +148,9 @@ def test_kernels_lists_this_vllms_classes_with_no_word_about_other_hardware(how)
         inventory = json.loads(said)
         assert inventory["vllm_version"] == vllm_version
         assert ours <= {entry["restorer"] for entry in inventory["entries"]}, inventory["entries"]
+        by_class = {e["vllm_class"].rsplit(".", 1)[-1]: e for e in inventory["entries"]}
+        assert by_class["CPUWNA16LinearKernel"]["status"] == "verified on cpu"
+        assert all(e["strategy"] != "no post-load step" for e in inventory["entries"])
     else:
         assert said.startswith(f"vLLM {vllm_version}: classes with a post-load step"), said[:500]
         assert all(name in said for name in ours), (ours, said[:3000])
@@ -180,3 +183,21 @@ def test_save_to_s3_typed_on_a_terminal_ends_with_its_summary_and_inspect_finds_
     code, shown = _run("piped", "inspect", uri, env=moto_s3.env())
     _ended_well(code, shown, moto_s3.secret)
     assert "LlamaForCausalLM bfloat16" in shown, shown[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_save_whose_engine_vllm_cannot_start_ends_in_one_line_and_writes_nothing(checkpoints):
+    """vLLM refuses to start the saving engine for a reason of its own (here a KV cache larger than the machine):
+    its reason is in its log, and the command ends with one line saying so, exit 1, not a traceback of ours."""
+    from tensorizer_manifest.embedded_models.tiny import build_tiny_model
+
+    model = build_tiny_model(checkpoints["work"] / "tiny-llama", "llama")
+    out = checkpoints["work"] / "never-saved"
+    said = typed("save", str(model), str(out), "--engine-arg", f"kv_cache_memory_bytes={1 << 50}",
+                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, timeout=300)  # fmt: skip
+    assert said.returncode == 1, said.output[-3000:]
+    assert "tensorizer_manifest/cli/" not in said.output, said.output[-3000:]  # no traceback through the command
+    line = said.flat.find("error: vLLM's engine did not start, for a reason of its own")
+    assert line >= 0 and "Nothing was committed." in said.flat[line:], said.flat[-1000:]
+    assert 0 <= said.flat.find("less than requested memory") < line  # vLLM's own reason, in its log above the line
+    assert not out.exists()
