@@ -86,6 +86,21 @@ def _made_elsewhere(forms: list) -> list:
     ]
 
 
+def _compile_cache(work, name: str) -> str:
+    """A ``VLLM_CACHE_ROOT`` with nothing compiled in it, holding only vLLM's records of model classes
+    (``modelinfos/``, copied from vLLM's default cache, where this session's first engines left them): without them
+    every engine here would inspect its model class in a fresh interpreter first (vLLM's registry, about 10 s),
+    which has nothing to do with compiling."""
+    cache = work / f"cache-{name}"
+    default = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+    )
+    records = os.path.join(default, "modelinfos")
+    if os.path.isdir(records):
+        shutil.copytree(records, cache / "modelinfos", dirs_exist_ok=True)
+    return str(cache)
+
+
 def _on_s3(server, uri: str, work, engine_args: list[str]) -> dict:
     """The unsigned checkpoint, its form with it, published to S3; there a layout's add-form makes its form set at
     TP=2 (from the base), then add-form --compile that layout's compile form: each over the generation before, the
@@ -96,7 +111,7 @@ def _on_s3(server, uri: str, work, engine_args: list[str]) -> dict:
 
     options = options_for(server)
     upload_checkpoint(work / "unsigned", uri, options)
-    env = {**server.env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CACHE_ROOT": str(work / "cache-add-form-s3")}
+    env = {**server.env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CACHE_ROOT": _compile_cache(work, "add-form-s3")}
     layout = typed("add-form", uri, "-tp", "2", env=env)  # on a terminal, as typed: the layout's summary
     assert layout.returncode == 0, layout.output[-3000:]
     added = _cli("add-form", uri, "--compile", "-tp", "2", "--json", *engine_args, env=env)
@@ -123,7 +138,7 @@ def _serve(checkpoint, loader: dict, work) -> dict:
 
     log = work / "served.log"
     flags = ("--load-format", "tensorizer_manifest", "--model-loader-extra-config", json.dumps(loader))
-    env = {"VLLM_CACHE_ROOT": str(work / "cache-served")}
+    env = {"VLLM_CACHE_ROOT": _compile_cache(work, "served")}
     with Server(str(checkpoint), log, *flags, env=env, settings=COMPILING_SETTINGS) as server:
         tokens = [server.tokens(prompt)[:8] for prompt in DEMO_PROMPTS]
     return {"tokens": tokens, "_output": log.read_text()}
@@ -167,9 +182,10 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
 
     def signed_form() -> dict:
         """The Llama, signed, as a person types it: the installed script on a terminal, the summaries for people."""
-        env = {"VLLM_CACHE_ROOT": str(work / "cache-add-form-signed")}
+        source = scenarios.e2e("llama")["model_dir"]  # its engines leave vLLM's record of the class (_compile_cache)
+        env = {"VLLM_CACHE_ROOT": _compile_cache(work, "add-form-signed")}
         key_args = ["--signing-key-file", str(key)]
-        made = typed("save", scenarios.e2e("llama")["model_dir"], str(signed), "--dtype", "bfloat16", *key_args)
+        made = typed("save", source, str(signed), "--dtype", "bfloat16", *key_args)
         assert made.returncode == 0, made.output[-3000:]
         added = typed("add-form", str(signed), "--compile", *key_args, *server_args, env=env)
         assert added.returncode == 0, added.output[-3000:]
@@ -178,8 +194,9 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
 
     def unsigned_form() -> dict:
         """The Qwen3 MoE, unsigned, through the CLI's --json."""
-        env = {"VLLM_CACHE_ROOT": str(work / "cache-add-form-unsigned")}
-        made = _cli("save", scenarios.e2e("qwen3-moe")["model_dir"], str(unsigned), "--dtype", "bfloat16")
+        source = scenarios.e2e("qwen3-moe")["model_dir"]
+        env = {"VLLM_CACHE_ROOT": _compile_cache(work, "add-form-unsigned")}
+        made = _cli("save", source, str(unsigned), "--dtype", "bfloat16")
         assert made.returncode == 0, made.stderr[-3000:]
         added = _cli("add-form", str(unsigned), "--compile", "--json", *engine_args, env=env)
         assert added.returncode == 0, added.stderr[-3000:]
@@ -188,7 +205,7 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
 
     def run(name: str, model, load_format: str, loader: dict | None = None, *flags: str) -> dict:
         args = [str(model), load_format, *([json.dumps(loader)] if loader is not None else []), *flags]
-        env = {"VLLM_CACHE_ROOT": str(work / f"cache-{name}")}  # empty: vLLM's own cache makes nothing warm
+        env = {"VLLM_CACHE_ROOT": _compile_cache(work, name)}  # nothing compiled: vLLM's own cache makes nothing warm
         return run_script("scenarios/compiled_engine.py", *args, marker="COMPILED_RESULT", env=env, output=True,
                           timeout=1200)  # fmt: skip
 
