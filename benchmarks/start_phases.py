@@ -88,30 +88,19 @@ class StartClock:
 
     def watch_vllm(self) -> None:
         """Wrap the CPU worker's steps (each adds to its phase); vLLM must be imported, no engine started."""
+        from vllm.compilation import decorators
+        from vllm.model_executor.models import registry
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         for name, phase in _WORKER_STEPS.items():
-            original = getattr(CPUWorker, name)
-
-            @functools.wraps(original)
-            def timed(*args, _original=original, _phase=phase, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    self.add(_phase, time.perf_counter() - started)
-
-            setattr(CPUWorker, name, timed)
-
-        from vllm.compilation import decorators
-        from vllm.model_executor.models import registry
-
+            self._wrap(CPUWorker, name, phase)
         self._wrap(registry, "_run_in_subprocess", "model-class inspection")
         self._wrap(decorators, "_try_load_aot_compiled_fn", "compile: vLLM's AOT artifact load")
 
-    def _wrap(self, module, name: str, phase: str) -> None:
-        """``module.name`` (a function vLLM looks up in its module when it calls it) adds its time to ``phase``."""
-        original = getattr(module, name)
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        """``owner.name`` (a method of a class, or a function vLLM looks up in its module when it calls it) adds its
+        time to ``phase``."""
+        original = getattr(owner, name)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -121,7 +110,7 @@ class StartClock:
             finally:
                 self.add(phase, time.perf_counter() - started)
 
-        setattr(module, name, timed)
+        setattr(owner, name, timed)
 
     def result(self) -> dict:
         """Seconds per phase (``PHASES``, absent ones 0), the whole from the spawn, and torch's compile timers."""
