@@ -35,11 +35,15 @@ PHASES = (
     "model load",
     "compile: dynamo trace",
     "compile: inductor",
-    "compile: vLLM's AOT artifact load",
+    "compile: AOT artifact load",
     "warm-up forward",
     "kv cache",
     "first answer",
 )
+
+#: An AOT artifact's load: vLLM's own (in the warm-up forward, where vLLM finds one in its cache) or the loader's,
+#: from a compile form (in the model's load, once the weights are in); each is taken out of the phase it ran in.
+_VLLM_AOT, _FORM_AOT = "vLLM's AOT load", "the form's AOT load"
 
 #: vLLM inspects a model's class in a fresh interpreter (``registry._run_in_subprocess``: it imports vLLM again)
 #: unless ``VLLM_CACHE_ROOT/modelinfos`` has the class's record: a fresh replica pays it, a warm restart does not.
@@ -95,7 +99,10 @@ class StartClock:
         for name, phase in _WORKER_STEPS.items():
             self._wrap(CPUWorker, name, phase)
         self._wrap(registry, "_run_in_subprocess", "model-class inspection")
-        self._wrap(decorators, "_try_load_aot_compiled_fn", "compile: vLLM's AOT artifact load")
+        self._wrap(decorators, "_try_load_aot_compiled_fn", _VLLM_AOT)
+        from tensorizer_manifest import _vllm_compat
+
+        self._wrap(_vllm_compat, "load_aot_artifact", _FORM_AOT)
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         """``owner.name`` (a method of a class, or a function vLLM looks up in its module when it calls it) adds its
@@ -125,8 +132,10 @@ class StartClock:
         )
         seconds = {phase: self.seconds.get(phase, 0.0) for phase in PHASES}
         seconds["compile: dynamo trace"], seconds["compile: inductor"] = dynamo, backend
-        aot = seconds["compile: vLLM's AOT artifact load"]
-        seconds["warm-up forward"] = max(0.0, seconds["warm-up forward"] - dynamo - backend - aot)
+        vllm_aot, form_aot = self.seconds.get(_VLLM_AOT, 0.0), self.seconds.get(_FORM_AOT, 0.0)
+        seconds["compile: AOT artifact load"] = vllm_aot + form_aot
+        seconds["warm-up forward"] = max(0.0, seconds["warm-up forward"] - dynamo - backend - vllm_aot)
+        seconds["model load"] = max(0.0, seconds["model load"] - form_aot)
         worker = sum(
             self.seconds.get(p, 0.0) for p in ("model load", "warm-up forward", "kv cache", "model-class inspection")
         )

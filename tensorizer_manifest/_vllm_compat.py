@@ -92,6 +92,21 @@ NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.utils.torch_utils", "set_default_torch_dtype"),
     VllmName("vllm", "envs"),
     VllmName("vllm.envs", "VLLM_USE_AOT_COMPILE"),
+    VllmName("vllm.envs", "VLLM_CACHE_ROOT"),
+    VllmName("vllm.envs", "_is_envs_cache_enabled", private=True),
+    # vLLM's compiled modules and their AOT artifacts (compile forms made of them).
+    VllmName("vllm.compilation.wrapper", "TorchCompileWithNoGuardsWrapper"),
+    VllmName("vllm.compilation.decorators", "*.do_not_compile", private=True),
+    VllmName("vllm.compilation.decorators", "*.vllm_config", private=True),
+    VllmName("vllm.compilation.decorators", "*.aot_compiled_fn", private=True),
+    VllmName("vllm.compilation.decorators", "*.was_aot_compile_fn_loaded_from_disk",
+             private=True),  # fmt: skip
+    VllmName("vllm.compilation.decorators", "*._aot_compilation_path", private=True),
+    VllmName("vllm.compilation.decorators", "_verify_source_unchanged", (("source_info", "vllm_config"),),
+             private=True),  # fmt: skip
+    VllmName("vllm.compilation.decorators", "maybe_use_cudagraph_partition_wrapper", (("vllm_config",),),
+             private=True),  # fmt: skip
+    VllmName("torch.compiler", "load_compiled_function", (("file", "f_globals"),), private=True),
     VllmName("vllm.envs", "VLLM_BATCH_INVARIANT"),
     VllmName("vllm.envs", "VLLM_CPU_INT4_W4A8"),
     # The platform.
@@ -1271,6 +1286,65 @@ def aot_compile_enabled() -> bool:
     from vllm import envs
 
     return bool(envs.VLLM_USE_AOT_COMPILE)
+
+
+def envs_fixed() -> bool:
+    """Whether vLLM has fixed its environment variables in this process (``envs.enable_envs_cache``: once an
+    engine has started in it); a variable set after that is not read."""
+    from vllm import envs
+
+    return bool(envs._is_envs_cache_enabled())
+
+
+def compile_cache_root() -> str:
+    """Where vLLM keeps its compile caches, its AOT artifacts among them (``VLLM_CACHE_ROOT``)."""
+    from vllm import envs
+
+    return str(envs.VLLM_CACHE_ROOT)
+
+
+def compiled_modules(model: Any) -> dict[str, Any]:
+    """The modules of ``model`` that vLLM runs through torch.compile (``@support_torch_compile`` classes, compiling
+    in this engine), by their names in the model: each has its own AOT artifact."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, TorchCompileWithNoGuardsWrapper) and not getattr(module, "do_not_compile", True)
+    }
+
+
+def saved_aot_artifact(module: Any) -> str | None:
+    """Where vLLM saved ``module``'s AOT artifact when it compiled it in this process (None: it saved none)."""
+    path = getattr(module, "_aot_compilation_path", None)
+    return str(path) if path and os.path.isfile(path) else None
+
+
+def load_aot_artifact(module: Any, path: str) -> None:
+    """Load the AOT artifact at ``path`` into the compiled ``module``, which then runs it instead of tracing and
+    compiling (vLLM's ``_try_load_aot_compiled_fn`` on a path of the caller's, not vLLM's cache's). Raises what
+    the load raises; the module is changed only once it succeeded.
+
+    vLLM (0.32 to 0.34) calls ``finalize_loading`` on every artifact it loads, but on CPU torch.compile runs inductor
+    directly and the artifact's compiled function is a plain function, which has none: vLLM's own load fails there
+    and it compiles again. Here it is called only where the artifact has it (vLLM's own backend: GPUs)."""
+    import torch
+    from vllm.compilation.decorators import _verify_source_unchanged, maybe_use_cudagraph_partition_wrapper
+    from vllm.config import set_current_vllm_config
+
+    config = module.vllm_config
+    with set_current_vllm_config(config), open(path, "rb") as f:
+        loaded: Any = torch.compiler.load_compiled_function(f, f_globals=module.forward.__globals__)
+        _verify_source_unchanged(loaded.source_info(), config)
+        if not config.compilation_config.dynamic_shapes_config.evaluate_guards:
+            loaded.disable_guard_check()
+        finalize = getattr(loaded._artifacts.compiled_fn, "finalize_loading", None)
+        if finalize is not None:
+            with maybe_use_cudagraph_partition_wrapper(config):
+                finalize(config)
+    module.aot_compiled_fn = loaded
+    module.was_aot_compile_fn_loaded_from_disk = True
 
 
 def batch_invariant() -> bool:

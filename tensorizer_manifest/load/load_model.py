@@ -72,7 +72,7 @@ def load_model(plan: LoadPlan, add_form: FormObserver | None = None) -> tuple[to
         model, report = _load_from_base(plan, add_form)
     else:
         model, report = _load_forms(plan, add_form)
-    report["compile_form"] = None if plan.compile_dir is None else str(plan.compile_dir)
+    report["compile_form"] = None if plan.compile_form is None else str(plan.compile_form.directory)
     return model, report
 
 

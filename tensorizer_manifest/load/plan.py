@@ -46,8 +46,8 @@ class LoadPlan:
     """What one rank's load decided before reading weights. ``root``: the checkpoint's directory (or prefix),
     or where it names a file (format versions 1 and 2) the location as given; ``generation``: the one every rank
     reads (None: no pointer); ``fingerprint``: this engine, or None where this vLLM cannot be described
-    (``undescribed`` says why: a base may still serve it); ``compile_dir``: the compile form this engine compiles
-    from (None: none), ``compile_identity``: what ``add-form --compile``'s form is for; ``why_base``: why this load
+    (``undescribed`` says why: a base may still serve it); ``compile_form``: the compile form this engine uses
+    (None: none), ``compile_identity``: what ``add-form --compile``'s form is for; ``why_base``: why this load
     takes the generation's base rather than a form set (None: its forms)."""
 
     vllm_config: Any
@@ -65,7 +65,7 @@ class LoadPlan:
     stem: str
     device: torch.device
     clock: Clock
-    compile_dir: Path | None = None
+    compile_form: compile_placement.PlacedForm | None = None
     compile_identity: dict | None = None
     why_base: str | None = None
 
@@ -95,7 +95,7 @@ def plan_load(vllm_config: Any, model_config: Any, prefix: str, options: LoadOpt
     agreed = agreed_generation(checkpoint, options)  # every rank, before anything can fail on one alone
     root, generation = agreed if agreed is not None else (checkpoint, None)
     _failpoints.pause("after-agreement", stem)
-    compile_dir, identity = _compile_form(vllm_config, options, root, generation, signing_key, encryption_key)
+    compile_form, identity = _compile_form(vllm_config, options, root, generation, signing_key, encryption_key)
     if options.source == "base" and (generation is None or generation.base is None):
         raise ConfigurationError(
             f"{checkpoint}: the load options ask for the base (source='base'), and this checkpoint has none (save "
@@ -120,7 +120,7 @@ def plan_load(vllm_config: Any, model_config: Any, prefix: str, options: LoadOpt
         stem=stem,
         device=device,
         clock=clock,
-        compile_dir=compile_dir,
+        compile_form=compile_form,
         compile_identity=identity,
         why_base=why,
     )
@@ -158,7 +158,7 @@ def _compile_form(
     generation: Generation | None,
     signing_key: SigningKey | None,
     encryption_key: EncryptionKey | None,
-) -> tuple[Path | None, dict | None]:
+) -> tuple[compile_placement.PlacedForm | None, dict | None]:
     """Before the model is built (vLLM reads its compile settings then): the compile form this engine uses, in
     a private directory, or None (said in the log where the checkpoint has one). ``add-form --compile`` compiles
     into the directory it packs and uses no form; what that form is for (``EngineCompile``) is taken here, at

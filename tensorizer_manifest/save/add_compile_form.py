@@ -22,7 +22,7 @@ from ..checks.fingerprint import engine_settings
 from ..errors import CheckpointNotFoundError, ConcurrentWriteError, ConfigurationError
 from ..format.generation import CompileForm, new_generation_id
 from ..format.schema import MANIFEST_SUFFIX, blake3_hex
-from ..load.compile_placement import AOT_VARIABLE
+from ..load.compile_placement import CACHE_ROOT_VARIABLE, arrange_aot_artifacts
 from ..storage.checkpoint import encryption_key_from, load_generation, signing_key_from
 from ..storage.compile_archive import pack
 from . import publish
@@ -65,8 +65,10 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
             loader_config["signing_key_file"] = key_file
         if encryption_file is not None:
             loader_config["encryption_key_file"] = encryption_file
-        aot = os.environ.get(AOT_VARIABLE)
-        os.environ[AOT_VARIABLE] = "0"  # what a form holds (load.compile_placement); inherited by worker processes
+        # vLLM's AOT artifacts where it makes them (load.compile_placement); else inductor's cache alone. The
+        # workers point vLLM's cache root at ``cache`` (compile_into): in a process of their own, or in this one.
+        aot = _vllm_compat.aot_compile_enabled()
+        cache_root = os.environ.get(CACHE_ROOT_VARIABLE)
         try:
             llm = _vllm_compat.LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION,
                                    enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
@@ -74,13 +76,14 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
                 _vllm_compat.greedy_token_ids(llm, ["Compile forms are made here."], max_tokens=4)
                 identities = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_compile_identity")
                 loaded = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_report")[0] or {}
+                saved = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_aot_artifacts") if aot else []
             finally:
                 shutdown(llm)
         finally:
-            if aot is None:
-                os.environ.pop(AOT_VARIABLE, None)
+            if cache_root is None:
+                os.environ.pop(CACHE_ROOT_VARIABLE, None)
             else:
-                os.environ[AOT_VARIABLE] = aot
+                os.environ[CACHE_ROOT_VARIABLE] = cache_root
         if loaded.get("generation") != generation.id:
             raise ConcurrentWriteError(
                 f"{directory}: the engine loaded generation {loaded.get('generation')}, not {generation.id}, which "
@@ -92,6 +95,8 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
                 f"{directory}: the engine's ranks compiled for different machines or settings ({identities}); make "
                 "a compile form where every rank runs on one machine kind"
             )
+        if aot:
+            arrange_aot_artifacts(Path(cache), saved)
         if not any(Path(cache).rglob("*")):
             raise ConfigurationError(
                 f"{directory}: the engine compiled nothing with these settings (compilation off in engine_args?): "
@@ -100,7 +105,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
         publication = publish.begin(directory, new_generation_id(), parent=generation.id, read_parent=False)
         name = f"compile-{blake3_hex(' '.join(identity['machine']).encode())[7:23]}.bin"
         archive, files = pack(Path(cache), publication.folder / name, publication.relative(name))
-    form = CompileForm(**identity, aot=False, archive=archive, files=files)  # identity: ``EngineCompile``'s fields
+    form = CompileForm(**identity, aot=aot, archive=archive, files=files)  # identity: ``EngineCompile``'s fields
     kept = [f for f in generation.compile_forms if (f.machine, f.vllm_version, f.torch_version, f.config_hash)
             != (form.machine, form.vllm_version, form.torch_version, form.config_hash)]  # fmt: skip
     committed = publish.commit_over(

@@ -22,6 +22,7 @@ from ..errors import ConfigurationError, UnsupportedModelError
 from ..format.generation import Layout
 from ..format.schema import Manifest
 from ..live_model.sources import SourceObserver
+from ..load import compile_placement
 from ..load.load_model import load_model
 from ..load.options import LoadOptions
 from ..load.plan import LoadPlan, first_rank, plan_load, rank_stem
@@ -104,6 +105,10 @@ class ManifestModelLoader(_vllm_compat.BaseModelLoader):
         plan = plan_load(vllm_config, model_config, prefix, options, device)
         add_form = _AddForm(plan) if options.add_form else None
         model, report = load_model(plan, add_form)
+        if plan.compile_form is not None and plan.compile_form.aot:  # the weights are in: the compiled functions
+            report["aot_artifacts_loaded"] = compile_placement.load_aot_artifacts(
+                model, vllm_config, plan.compile_form.directory, f"{plan.root}: compile form"
+            )
         setattr(model, REPORT_ATTR, report)
         setattr(model, GENERATION_ATTR, plan.generation)
         if plan.compile_identity is not None:  # add-form --compile: what the form is made for

@@ -435,6 +435,18 @@ class ManifestWorkerExtension:
         settings hash: ``load.compile_placement.EngineCompile``), as the loader computed it; None unless asked."""
         return getattr(self._tm_model(), COMPILE_IDENTITY_ATTR, None)
 
+    def tensorizer_manifest_aot_artifacts(self) -> dict:
+        """Where vLLM saved this rank's AOT artifact of each module it compiled (None: none), and the rank: what
+        ``add-form --compile`` arranges into a form (``load.compile_placement.arrange_aot_artifacts``)."""
+        model = self._tm_model()
+        return {
+            "rank": self.vllm_config.parallel_config.rank,
+            "modules": {
+                name: _vllm_compat.saved_aot_artifact(module)
+                for name, module in _vllm_compat.compiled_modules(model).items()
+            },  # fmt: skip
+        }
+
     def tensorizer_manifest_report(self) -> dict | None:
         """What the manifest loader did in this worker (None when it was not used)."""
         return getattr(self._tm_model(), REPORT_ATTR, None)

@@ -184,7 +184,8 @@ def compiled(scenarios, tmp_path_factory, moto_s3):
     def signed_form() -> dict:
         """The Llama, signed, as a person types it: the installed script on a terminal, the summaries for people."""
         source = scenarios.e2e("llama")["model_dir"]  # its engines leave vLLM's record of the class (_compile_cache)
-        env = {"VLLM_CACHE_ROOT": _compile_cache(work, "add-form-signed")}
+        # inductor's cache alone (vLLM's AOT off), the form older versions made: `vllm serve` still uses it
+        env = {"VLLM_CACHE_ROOT": _compile_cache(work, "add-form-signed"), "VLLM_USE_AOT_COMPILE": "0"}
         key_args = ["--signing-key-file", str(key)]
         made = typed("save", source, str(signed), "--dtype", "bfloat16", *key_args)
         assert made.returncode == 0, made.output[-3000:]
@@ -277,8 +278,11 @@ def test_add_form_compile_stores_this_machines_form(compiled, name):
     assert generation.made_by == "add-form-compile"
     assert generation.seal.mode == ("mac" if name == "signed" else "digest")
     (form,) = generation.compile_forms
-    assert form.machine == machine_kind() and form.aot is False
+    assert form.machine == machine_kind() and form.aot is (name == "unsigned")  # the signed one: VLLM_USE_AOT_COMPILE=0
     assert len(form.files) > 0 and form.archive.size > 0
+    if form.aot:  # vLLM's artifact of the compiled backbone, and the kernels it runs
+        paths = {f.path for f in form.files}
+        assert "aot/model/rank0/model" in paths and any(p.startswith("aot/model/inductor_cache/") for p in paths)
     if name == "unsigned":  # what --json said is what was committed
         (rank,) = compiled[name]["add-form"]["ranks"]
         assert (rank["archive"], rank["files"], rank["bytes"]) == (
@@ -327,22 +331,32 @@ def test_add_form_compile_on_s3_at_tp2_adds_that_layouts_form_and_keeps_the_othe
 
 
 @pytest.mark.parametrize(
-    "case, reference, ranks",
-    [("served-with-key", "cold", 1), ("trusted", "cold-moe", 1), ("trusted-tp2", "cold-tp2", 2)],
+    "case, reference, ranks, aot",
+    [("served-with-key", "cold", 1, False), ("trusted", "cold-moe", 1, True), ("trusted-tp2", "cold-tp2", 2, True)],
 )
-def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exact(compiled, case, reference, ranks):
+def test_an_engine_with_the_form_loads_its_graphs_instead_of_compiling_token_exact(compiled, case, reference, ranks,
+                                                                                    aot):  # fmt: skip
+    """Inductor's cache alone (``served-with-key``: the engine traces, inductor takes every graph from the form),
+    or vLLM's AOT artifacts (each rank's loaded into the model: nothing traced, nothing compiled)."""
     result, cold = compiled[case], compiled[reference]
     assert result["tokens"] == cold["tokens"]
     assert _compiled(cold) and not _loaded(cold)  # the reference compiled, cold
     assert "saved AOT compiled function" not in result["_output"], _form_lines(result)
     if "inductor" in result:  # an engine of this process (the server's is another's, as TP=2's ranks): its counters
-        assert result["inductor"].get("fxgraph_cache_miss", 0) == 0 and (ranks > 1 or _loaded(result))
+        assert result["inductor"].get("fxgraph_cache_miss", 0) == 0 and (ranks > 1 or aot or _loaded(result))
         assert result["report"]["compile_form"] is not None
-    # vLLM's log says so too (the loader's line in each rank, at the end of torch's compile).
-    said = [re.search(r"inductor took (\d+) compiled graph\(s\) from it and compiled (\d+)", line)
-            for line in _form_lines(result)]  # fmt: skip
-    counts = [(int(m[1]), int(m[2])) for m in said if m]
-    assert len(counts) == ranks and all(compiled == 0 and took > 0 for took, compiled in counts), counts
+        if ranks == 1:  # the report of this process's worker
+            assert result["report"].get("aot_artifacts_loaded", 0) == (1 if aot else 0), result["report"]
+    # vLLM's log says so too (the loader's line in each rank: after the weights, or at the end of torch's compile).
+    lines = _form_lines(result)
+    if aot:
+        loaded = [line for line in lines if re.search(r"AOT artifact of model \(rank \d\) loaded from it", line)]
+        assert len(loaded) == ranks and not any("inductor took" in line for line in lines), lines
+    else:
+        said = [re.search(r"inductor took (\d+) compiled graph\(s\) from it and compiled (\d+)", line)
+                for line in lines]  # fmt: skip
+        counts = [(int(m[1]), int(m[2])) for m in said if m]
+        assert len(counts) == ranks and all(compiled == 0 and took > 0 for took, compiled in counts), counts
     if "startup" in result:
         print(f"startup: cold {cold['startup']:.1f} s, with the compile form ({case}) {result['startup']:.1f} s")
 
@@ -378,7 +392,8 @@ def test_inspect_lists_the_form_and_validate_checks_every_artifact(compiled):
     shown = _cli("inspect", str(checkpoint))
     assert shown.returncode == 0, shown.stderr[-2000:]
     (line,) = [line for line in shown.stdout.splitlines() if "compile form for" in line]
-    assert "cpu:" in line and f"{compiled['unsigned']['add-form']['ranks'][0]['files']} files" in line
+    assert "cpu:" in line and "vLLM AOT artifacts" in line
+    assert f"{compiled['unsigned']['add-form']['ranks'][0]['files']} files" in line
     assert _cli("validate", str(checkpoint)).returncode == 0
     refused = _cli("validate", str(damaged), "--json")
     assert refused.returncode == 1

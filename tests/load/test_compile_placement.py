@@ -51,7 +51,6 @@ def _form(**changes) -> CompileForm:
             {"config_hash": "d" * 64, "settings": {"tensor_parallel_size": "2", "max_model_len": "128"}},
             "made for other engine settings (tensor_parallel_size 2 (this engine: 1)): run add-form --compile with",
         ),
-        ({"aot": True}, "AOT artifacts"),
     ],
 )
 def test_a_form_that_differs_in_anything_it_depends_on_is_not_used_and_says_why(changes, why):
@@ -120,3 +119,38 @@ def test_why_a_form_is_not_used_is_said_once_by_the_first_rank(tiny_llama, tmp_p
     (record,) = [r for r in caplog.records if "compile form not used" in r.getMessage()]
     assert "not checked with your signing key" in record.getMessage()
     assert (record.levelno == logging.WARNING) == warned
+
+
+def _vllm_cache_with_artifacts(root, ranks: int) -> list[dict]:
+    """What vLLM leaves under its cache root after compiling one module at ``ranks`` ranks with AOT on (a folder
+    named by a hash, a rank folder each, the kernels shared), and what the workers report of it."""
+    folder = root / "torch_compile_cache" / "torch_aot_compile" / "ab12"
+    (folder / "inductor_cache" / "xy").mkdir(parents=True)
+    (folder / "inductor_cache" / "xy" / "kernel.so").write_bytes(b"kernel")
+    saved = []
+    for rank in range(ranks):
+        (folder / f"rank_{rank}_0").mkdir()
+        (folder / f"rank_{rank}_0" / "model").write_bytes(f"artifact {rank}".encode())
+        saved.append({"rank": rank, "modules": {"model": str(folder / f"rank_{rank}_0" / "model")}})
+    (root / "modelinfos").mkdir()
+    (root / "modelinfos" / "record.json").write_text("{}")
+    return saved
+
+
+def test_vllms_aot_artifacts_are_arranged_by_module_and_rank_and_nothing_else_is_kept(tmp_path):
+    from tensorizer_manifest.load.compile_placement import arrange_aot_artifacts
+
+    saved = _vllm_cache_with_artifacts(tmp_path, ranks=2)
+    arrange_aot_artifacts(tmp_path, saved)
+    kept = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert kept == ["aot/model/inductor_cache/xy/kernel.so", "aot/model/rank0/model", "aot/model/rank1/model"]
+    assert (tmp_path / "aot/model/rank1/model").read_bytes() == b"artifact 1"
+
+
+@pytest.mark.parametrize("modules", [{"model": None}, {}])
+def test_a_compile_that_saved_no_aot_artifact_is_refused_with_what_to_do(tmp_path, modules):
+    from tensorizer_manifest.errors import ConfigurationError
+    from tensorizer_manifest.load.compile_placement import arrange_aot_artifacts
+
+    with pytest.raises(ConfigurationError, match="VLLM_USE_AOT_COMPILE=0"):
+        arrange_aot_artifacts(tmp_path, [{"rank": 0, "modules": modules}])
