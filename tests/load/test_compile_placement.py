@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import msgspec
@@ -154,3 +155,38 @@ def test_a_compile_that_saved_no_aot_artifact_is_refused_with_what_to_do(tmp_pat
 
     with pytest.raises(ConfigurationError, match="VLLM_USE_AOT_COMPILE=0"):
         arrange_aot_artifacts(tmp_path, [{"rank": 0, "modules": modules}])
+
+
+def test_a_module_whose_artifact_is_missing_or_does_not_load_is_left_to_compile_and_the_log_says_why(
+    tmp_path, monkeypatch, caplog
+):
+    """The loader's side alone (vLLM's modules and its load stood in for): the module that loads counts, the two
+    that cannot are named in the log, and inductor's cache is pointed back where it was for them."""
+    import types
+
+    from tensorizer_manifest import _vllm_compat
+    from tensorizer_manifest.load import compile_placement
+
+    for name in ("loads", "breaks"):
+        (tmp_path / "aot" / name / "rank1").mkdir(parents=True)
+        (tmp_path / "aot" / name / "rank1" / "model").write_bytes(b"artifact")
+    modules = {"loads": object(), "breaks": object(), "absent": object()}
+    given = []
+
+    def load(module, path):
+        if module is modules["breaks"]:
+            raise RuntimeError("source changed")
+        given.append((module, path))
+
+    monkeypatch.setattr(_vllm_compat, "compiled_modules", lambda model: modules)
+    monkeypatch.setattr(_vllm_compat, "load_aot_artifact", load)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own/cache")
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(rank=1))
+    with caplog.at_level("INFO", logger="vllm.tensorizer_manifest"):
+        loaded = compile_placement.load_aot_artifacts(None, config, tmp_path, "ckpt: compile form")
+    assert loaded == 1 and given == [(modules["loads"], str(tmp_path / "aot/loads/rank1/model"))]
+    said = caplog.text
+    assert "AOT artifact of breaks (rank 1) did not load (RuntimeError: source changed); vLLM compiles it" in said
+    assert "has no AOT artifact of absent (rank 1); vLLM compiles it" in said
+    assert "AOT artifact of loads (rank 1) loaded from it" in said
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "aot" / "loads" / "inductor_cache")
