@@ -23,6 +23,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, cast
 
@@ -94,6 +95,9 @@ NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.envs", "VLLM_USE_AOT_COMPILE"),
     VllmName("vllm.envs", "VLLM_CACHE_ROOT"),
     VllmName("vllm.envs", "_is_envs_cache_enabled", private=True),
+    # vLLM's records of the model classes it inspected (a fresh interpreter each, unless recorded).
+    VllmName("vllm.model_executor.models.registry", "_LazyRegisteredModel._get_cache_dir", ((),), private=True,
+             optional=True),  # fmt: skip
     # vLLM's compiled modules and their AOT artifacts (compile forms made of them).
     VllmName("vllm.compilation.wrapper", "TorchCompileWithNoGuardsWrapper"),
     VllmName("vllm.compilation.decorators", "*.do_not_compile", private=True),
@@ -1301,6 +1305,15 @@ def compile_cache_root() -> str:
     from vllm import envs
 
     return str(envs.VLLM_CACHE_ROOT)
+
+
+def model_class_records() -> Path | None:
+    """Where vLLM keeps what it found when it inspected a model class (``VLLM_CACHE_ROOT/modelinfos``, a JSON file
+    per class: the hash of the class's module source and the class's interfaces); None where this vLLM keeps none.
+    vLLM inspects a class in a fresh interpreter, which imports vLLM again (about 10 s on 2 cores), unless the file
+    there has its module's current hash; it checks that hash itself."""
+    cache_dir = _if_there("vllm.model_executor.models.registry", "_LazyRegisteredModel._get_cache_dir")
+    return None if cache_dir is None else Path(cache_dir())
 
 
 def compiled_modules(model: Any) -> dict[str, Any]:

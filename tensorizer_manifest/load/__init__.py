@@ -7,7 +7,8 @@ form each layer loads, chosen before a byte is read), ``restore`` (check the mod
 restore every tensor exactly), ``replay`` (vLLM's step exactly once for raw layers, a restorer for processed ones),
 ``engine_check`` (``validate --engine``: the same checks with no weights read), ``from_base`` (an engine no form set
 fits, loaded from the layout-free base through the model's own ``load_weights``), ``compile_placement`` (a compile
-form used only where its seal and machine kind allow, so a cold engine need not compile).
+form used only where its seal and machine kind allow, so a cold engine need not compile), ``model_class_record``
+(vLLM's record of the model's class, carried so that a fresh process need not inspect the class).
 May import ``checks``, ``restorers``, ``model``, ``storage`` and ``format``; never ``save`` (``add-form``'s
 observation of a load is given to it: ``load_model.FormObserver``).
 """

@@ -80,9 +80,10 @@ class LoadOptions(S3Options):
     )
     trust_compile_forms: bool = Field(
         False,
-        description="Use a compile form of a checkpoint whose seal is not checked with your signing key: trusts "
-        "whoever can write the checkpoint to run code in this process (compiled graphs are code). Without it, a "
-        "compile form is used only where signing_key_file checked the seal.",
+        description="Use a compile form of a checkpoint whose seal is not checked with your signing key, and place "
+        "vLLM's record of its model class in vLLM's cache: trusts whoever can write the checkpoint to run code in "
+        "this process (compiled graphs are code) and to tell vLLM what the class supports. Without it, both are "
+        "used only where signing_key_file checked the seal.",
     )
     compile_form_dir: str | None = Field(
         None,

@@ -76,7 +76,7 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
                 _vllm_compat.greedy_token_ids(llm, ["Compile forms are made here."], max_tokens=4)
                 identities = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_compile_identity")
                 loaded = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_report")[0] or {}
-                saved = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_aot_artifacts") if aot else []
+                saved = _vllm_compat.collective_rpc(llm, "_tm_aot_artifacts") if aot else []
             finally:
                 shutdown(llm)
         finally:

@@ -31,6 +31,7 @@ from ..format.generation import (
     seal_generation,
 )
 from ..format.schema import EncryptionKey, Fingerprint, SigningKey, blake3_hex, decode_manifest
+from ..load.model_class_record import RECORD_PREFIX, record_of
 from ..storage.checkpoint import checkpoint_stem, form_set_of
 from ..storage.files import make_folder
 from ..storage.generations import LocalCheckpoint
@@ -118,8 +119,13 @@ def copy_model_files(publication: Publication, source: Path) -> list[ModelFile]:
     for path in sorted(source.iterdir()) if source.is_dir() else []:
         if not path.is_file() or not is_model_file(path.name) or path.name == POINTER_NAME:
             continue
+        if path.name.startswith(RECORD_PREFIX):  # a checkpoint as the source: this engine's vLLM's record instead
+            continue
         ref = store.put(publication.relative(path.name), path.read_bytes())
         files.append(ModelFile(name=path.name, file=ref))
+    record = record_of(source)  # vLLM's record of the model's class, for a fresh process to skip inspecting it
+    if record is not None:
+        files.append(ModelFile(name=record[0], file=store.put(publication.relative(record[0]), record[1])))
     return files
 
 

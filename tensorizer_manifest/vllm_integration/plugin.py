@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from .. import _error_relay, _vllm_compat
 from .._constants import CAPTURE_LOAD_FORMAT, CPU_GEMM_ENV, LOAD_FORMAT
+from ..errors import TensorizerManifestError
+from ..format.generation import Generation
 from ..storage.remote import CREDENTIAL_OPTIONS
 from .loaders import CaptureModelLoader, ManifestModelLoader
 
@@ -23,28 +26,29 @@ def apply_cpu_gemm_from_env() -> None:
         _vllm_compat.disable_onednn()
 
 
-def pin_current_generation(engine_args) -> None:
+def pin_current_generation(engine_args) -> tuple[Path, Generation, dict] | None:
     """Where vLLM's ``model`` is a local checkpoint of format version 3 loaded with this load format, make it the
     current generation's own folder (``CKPT/generations/<id>``), once, in the process that parses the engine's
     arguments: everything vLLM reads itself (``config.json`` as it makes its config, the tokenizer in the frontend,
     ``generation_config.json`` after the load) and every rank and replica of this engine is then that generation's,
     whatever is committed meanwhile. The served model name stays the path given; the tokenizer follows the model
     where it was the model's. A checkpoint named apart from ``model`` (``checkpoint_dir``, ``tensorizer_uri``) is
-    left as it is (its model files are checked against the generation at load)."""
+    left as it is (its model files are checked against the generation at load). The generation's folder, the
+    generation and the loader's options where it pinned one."""
     import json
 
     from ..storage.checkpoint import current_generation_folder
 
     if engine_args.load_format != LOAD_FORMAT or not isinstance(engine_args.model, str):
-        return
+        return None
     extra = engine_args.model_loader_extra_config or {}
     if isinstance(extra, str):
         extra = json.loads(extra)
     if any(extra.get(name) for name in ("checkpoint_dir", "tensorizer_dir", "tensorizer_uri")):
-        return
+        return None
     found = current_generation_folder(engine_args.model)
     if found is None:
-        return
+        return None
     folder, generation = found
     given = engine_args.model
     if engine_args.tokenizer in (None, given):
@@ -53,13 +57,33 @@ def pin_current_generation(engine_args) -> None:
         engine_args.served_model_name = given
     engine_args.model = str(folder)
     logger.info("%s: serving its current generation %s from %s", given, generation.id, folder)
+    return folder, generation, extra
+
+
+def place_model_class_records(folder: Path, generation: Generation, extra: dict) -> None:
+    """vLLM's record of the model's class that the pinned generation carries, placed where vLLM looks before it
+    inspects the class (``load.model_class_record``), under the keys and trust the loader's options give. A bad
+    option is left for the loader to refuse, with its typed error."""
+    from ..load.model_class_record import place_records
+    from ..load.options import LoadOptions
+    from ..storage.checkpoint import encryption_key_from, signing_key_from
+
+    try:
+        options = LoadOptions(**extra)
+        signing_key = signing_key_from(options.signing_key_file)
+        encryption_key = encryption_key_from(options.encryption_key_file)
+    except (ValueError, TensorizerManifestError):  # pydantic's ValidationError is a ValueError
+        return
+    place_records(folder, generation, signing_key, encryption_key, options.trust_compile_forms)
 
 
 def before_engine_config(engine_args) -> None:
     """In the process that starts an engine, before vLLM reads its model or starts a process: a relay for the typed
-    errors of the engine's processes, and the current generation pinned."""
+    errors of the engine's processes, the current generation pinned, and vLLM's record of the model's class placed."""
     _error_relay.open_relay()
-    pin_current_generation(engine_args)
+    pinned = pin_current_generation(engine_args)
+    if pinned is not None:
+        place_model_class_records(*pinned)
 
 
 def register() -> None:

@@ -435,7 +435,7 @@ class ManifestWorkerExtension:
         settings hash: ``load.compile_placement.EngineCompile``), as the loader computed it; None unless asked."""
         return getattr(self._tm_model(), COMPILE_IDENTITY_ATTR, None)
 
-    def tensorizer_manifest_aot_artifacts(self) -> dict:
+    def _tm_aot_artifacts(self) -> dict:
         """Where vLLM saved this rank's AOT artifact of each module it compiled (None: none), and the rank: what
         ``add-form --compile`` arranges into a form (``load.compile_placement.arrange_aot_artifacts``)."""
         model = self._tm_model()

@@ -87,12 +87,15 @@ def _made_elsewhere(forms: list) -> list:
     ]
 
 
-def _compile_cache(work, name: str) -> str:
+def _compile_cache(work, name: str, records: bool = True) -> str:
     """A ``VLLM_CACHE_ROOT`` with nothing compiled in it, holding only vLLM's records of model classes
     (``modelinfos/``, copied from vLLM's default cache, where this session's first engines left them): without them
     every engine here would inspect its model class in a fresh interpreter first (vLLM's registry, about 10 s),
-    which has nothing to do with compiling."""
+    which has nothing to do with compiling. ``records=False``: an empty one (a fresh machine's)."""
     cache = work / f"cache-{name}"
+    if not records:
+        cache.mkdir()
+        return str(cache)
     default = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
     )
@@ -139,10 +142,13 @@ def _serve(checkpoint, loader: dict, work) -> dict:
 
     log = work / "served.log"
     flags = ("--load-format", "tensorizer_manifest", "--model-loader-extra-config", json.dumps(loader))
-    env = {"VLLM_CACHE_ROOT": _compile_cache(work, "served")}
+    # A fresh machine's vLLM cache (the checkpoint carries vLLM's record of its class); vLLM's debug log says
+    # whether it inspected the class or took the record.
+    cache = _compile_cache(work, "served", records=False)
+    env = {"VLLM_CACHE_ROOT": cache, "VLLM_LOGGING_LEVEL": "DEBUG"}
     with Server(str(checkpoint), log, *flags, env=env, settings=COMPILING_SETTINGS) as server:
         tokens = [server.tokens(prompt)[:8] for prompt in DEMO_PROMPTS]
-    return {"tokens": tokens, "_output": log.read_text()}
+    return {"tokens": tokens, "_output": log.read_text(), "cache": cache}
 
 
 class _Steps:
@@ -378,6 +384,26 @@ def test_a_form_that_cannot_be_trusted_or_does_not_fit_is_not_used_and_vllm_comp
     assert "not used" in line and why in line, line
     assert _compiled(result) and not _loaded(result), result["inductor"]
     assert result["report"]["compile_form"] is None
+
+
+def test_vllm_serve_takes_the_checkpoints_record_of_the_model_class_instead_of_inspecting_it(compiled):
+    """A fresh machine's vLLM inspects a model's class in a fresh interpreter (about 10 s) unless its cache has a
+    record of it: the signed checkpoint carries the one its save's vLLM made, and under the key it is placed
+    before vLLM makes its config, byte for byte, and vLLM takes it."""
+    from tensorizer_manifest.load.model_class_record import RECORD_PREFIX
+    from tensorizer_manifest.storage.checkpoint import load_generation
+
+    served, checkpoint = compiled["served-with-key"], compiled["signed"]["checkpoint"]
+    (carried,) = [m for m in load_generation(checkpoint)[0].model_files if m.name.startswith(RECORD_PREFIX)]
+    name = carried.name.removeprefix(RECORD_PREFIX)
+    assert name.endswith("-LlamaForCausalLM.json")
+    placed = os.path.join(served["cache"], "modelinfos", name)
+    with open(placed, "rb") as f:
+        assert f.read() == (checkpoint / carried.file.path).read_bytes()
+    output = served["_output"]
+    assert "placed vLLM's record of the model's class that the checkpoint carries" in output
+    assert re.search(r"Loaded model info for class \S+LlamaForCausalLM from cache", output), output[-3000:]
+    assert not re.search(r"model info for class \S+LlamaForCausalLM miss", output)
 
 
 def test_an_eager_engine_never_reads_the_form(compiled):

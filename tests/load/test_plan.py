@@ -49,7 +49,7 @@ def test_a_plan_holds_the_generation_every_rank_reads_and_is_frozen(tmp_path, de
     planned = plan_load(vllm_config, model_config, "", LoadOptions(), torch.device("cpu"))
     assert (planned.root, planned.generation.id, planned.stem) == (root, generation.id, "model")
     assert (planned.fingerprint, planned.undescribed, planned.device) == (described, None, torch.device("cpu"))
-    assert (planned.why_base, planned.compile_dir, planned.compile_identity) == (None, None, None)  # no base, no form
+    assert (planned.why_base, planned.compile_form, planned.compile_identity) == (None, None, None)  # no base, no form
     assert (planned.signing_key, planned.encryption_key, planned.named_file) == (None, None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         planned.why_base = "decided twice"  # type: ignore[misc]

@@ -21,6 +21,15 @@ from tensorizer_manifest.storage.generations import LocalCheckpoint
 from tensorizer_manifest.storage.remote_checkpoint import publish_to_s3
 
 
+@pytest.fixture(autouse=True)
+def _no_vllm_records(monkeypatch):
+    """The model files are the source's alone here: vLLM's record of the class (``load.model_class_record``, whose
+    tests carry it) is left out, whatever this machine's vLLM cache holds."""
+    from tensorizer_manifest import _vllm_compat
+
+    monkeypatch.setattr(_vllm_compat, "model_class_records", lambda: None)
+
+
 @pytest.fixture
 def source(tmp_path):
     source = tmp_path / "source"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from ...errors import ConfigurationError
-from ...format.generation import POINTER_NAME
+from ...format.generation import COMMIT_MARK, GENERATION_DOCUMENT, POINTER_NAME
 from ...format.schema import MANIFEST_SUFFIX, TENSORS_SUFFIX
 
 #: URI schemes read (all) and written (``s3`` only) by the ``remote`` package.
@@ -41,10 +41,11 @@ HTTP_MODEL_FILES = (
 
 
 def is_model_file(name: str) -> bool:
-    """A config, tokenizer or other non-weight file of a model directory (not a manifest, a pointer, hidden)."""
+    """A config, tokenizer or other non-weight file of a model directory (not a manifest, a pointer, hidden, nor a
+    generation's own document or commit mark: a generation's folder is a model directory too)."""
     return not (
         name.startswith(".")
-        or name == POINTER_NAME
+        or name in (POINTER_NAME, GENERATION_DOCUMENT, COMMIT_MARK)
         or name.endswith(WEIGHT_SUFFIXES)
         or name in WEIGHT_INDEXES
         or name.endswith(MANIFEST_SUFFIX)
