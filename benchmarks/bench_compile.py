@@ -12,8 +12,10 @@ interpreter, torch's and vLLM's imports, the engine's set-up, the model's load, 
 warm-up forward, the KV cache, the first answer). Paths: ``cold`` (vLLM's default loader from the source, torch.compile
 on: vLLM's defaults), ``warm`` (the same again, with the cache ``cold`` left: vLLM's own warm restart on the machine
 that compiled), ``form`` (the checkpoint, after ``add-form --compile`` with the same settings; its compile form used
-under ``trust_compile_forms``), ``eager`` (the checkpoint, ``enforce_eager``) and ``default-eager`` (vLLM's default
-loader from the source, ``enforce_eager``: the eager baseline). Paths alternate within a round, ratios are taken per
+under ``trust_compile_forms``), ``eager`` (the checkpoint, ``enforce_eager``, under the same trust) and
+``default-eager`` (vLLM's default loader from the source, ``enforce_eager``: the eager baseline). Under that trust
+both checkpoint paths place vLLM's record of the model's class that the checkpoint carries, so neither inspects
+the class in a fresh interpreter, as vLLM's own paths do in their empty caches (``warm`` finds ``cold``'s record). Paths alternate within a round, ratios are taken per
 round (the whole start and ``LLM()`` alone), then median, min and max; every path's first answer is compared with
 vLLM's default loader's in the same mode (``cold`` for the compiled paths, ``default-eager`` for ``eager``).
 Figures, never assertions. Writes ``--out`` (JSON) and, with matplotlib, ``--plot`` (PNG).
@@ -68,10 +70,17 @@ def prepare(work: Path, size: str) -> dict:
     if found is None or not found[0].compile_forms:
         shutil.rmtree(checkpoint, ignore_errors=True)
         save_checkpoint(model_dir, checkpoint, dtype="bfloat16")
+        before = os.environ.get("VLLM_CACHE_ROOT")
         with tempfile.TemporaryDirectory() as cache:
-            os.environ["VLLM_CACHE_ROOT"] = cache
+            os.environ["VLLM_CACHE_ROOT"] = cache  # compiles cold, whatever this machine's vLLM cache holds
             started = time.perf_counter()
-            add_form(checkpoint, compile=True, engine_args={"dtype": "bfloat16", **SERVING})
+            try:
+                add_form(checkpoint, compile=True, engine_args={"dtype": "bfloat16", **SERVING})
+            finally:  # the next size's save finds vLLM's record of its class where vLLM keeps it
+                if before is None:
+                    os.environ.pop("VLLM_CACHE_ROOT", None)
+                else:
+                    os.environ["VLLM_CACHE_ROOT"] = before
             seconds = time.perf_counter() - started
         found = load_generation(checkpoint)
     (form,) = found[0].compile_forms
