@@ -15,9 +15,10 @@ that compiled), ``form`` (the checkpoint, after ``add-form --compile`` with the 
 under ``trust_compile_forms``), ``eager`` (the checkpoint, ``enforce_eager``, under the same trust) and
 ``default-eager`` (vLLM's default loader from the source, ``enforce_eager``: the eager baseline). Under that trust
 both checkpoint paths place vLLM's record of the model's class that the checkpoint carries, so neither inspects
-the class in a fresh interpreter, as vLLM's own paths do in their empty caches (``warm`` finds ``cold``'s record). Paths alternate within a round, ratios are taken per
-round (the whole start and ``LLM()`` alone), then median, min and max; every path's first answer is compared with
-vLLM's default loader's in the same mode (``cold`` for the compiled paths, ``default-eager`` for ``eager``).
+the class in a fresh interpreter, as vLLM's own paths do in their empty caches (``warm`` finds ``cold``'s record).
+Paths alternate within a round, ratios are taken per round (the whole start and ``LLM()`` alone), then median, min
+and max; every path's first answer is compared with vLLM's default loader's in the same mode (``cold`` for the
+compiled paths, ``default-eager`` for ``eager``).
 Figures, never assertions. Writes ``--out`` (JSON) and, with matplotlib, ``--plot`` (PNG).
 """
 
