@@ -68,13 +68,23 @@ def place_records(
     record whose bytes are not the generation's, or a cache that cannot be written, is skipped (vLLM then inspects
     the class, as it would have)."""
     records = [m for m in generation.model_files if m.name.startswith(RECORD_PREFIX)]
-    if not records or (signing_key is None and not trust_compile_forms):
+    if not records:
         return []
-    if check_generation_seal(generation, False, signing_key, encryption_key) is not None:
-        return []  # the load refuses it, and says why
     target = _vllm_compat.model_class_records()
-    if target is None:
+    if target is None or all((target / m.name.removeprefix(RECORD_PREFIX)).exists() for m in records):
+        return []  # nothing to place: vLLM keeps no records, or has this one
+
+    def not_placed(why: str) -> list[str]:
+        logger.info("%s: vLLM's record of the model's class not placed (%s); vLLM inspects the class", folder, why)
         return []
+
+    if signing_key is None and not trust_compile_forms:
+        return not_placed(
+            "the checkpoint's seal is not checked with your signing key: give signing_key_file, or "
+            "trust_compile_forms=true to trust whoever can write the checkpoint"
+        )
+    if check_generation_seal(generation, False, signing_key, encryption_key) is not None:
+        return not_placed("the generation's seal does not check; the load says why")
     placed = []
     for record in records:
         name = record.name.removeprefix(RECORD_PREFIX)
@@ -84,7 +94,8 @@ def place_records(
                 continue
             data = (folder / record.name).read_bytes()
             if blake3_hex(data) != record.file.hash:
-                continue  # the load refuses the generation's model files, and says why
+                not_placed(f"{record.name} is not the bytes the generation records; the load says so")
+                continue
             target.mkdir(parents=True, exist_ok=True)
             temporary = target / f".{name}.{os.getpid()}.tmp"
             temporary.write_bytes(data)

@@ -87,15 +87,18 @@ def test_a_source_vllm_holds_no_single_record_of_keeps_none(tmp_path, source, vl
     ],
 )
 def test_a_record_is_placed_only_under_a_checked_seal_or_the_users_trust(
-    tmp_path, source, vllm_records, signed, given_key, trust, placed
+    tmp_path, source, vllm_records, signed, given_key, trust, placed, caplog
 ):
     key = SigningKey(b"k" * 32)
     generation = _save(tmp_path / "ckpt", source, signing_key=key if signed else None)
     folder, _ = current_generation_folder(tmp_path / "ckpt")
     (vllm_records / RECORD_NAME).unlink()  # a fresh machine: vLLM holds no record of the class
-    written = place_records(folder, generation, key if given_key else None, None, trust)
+    with caplog.at_level("INFO", logger="vllm.tensorizer_manifest"):
+        written = place_records(folder, generation, key if given_key else None, None, trust)
     assert written == ([RECORD_NAME] if placed else [])
     assert (vllm_records / RECORD_NAME).exists() is placed
+    said = "placed vLLM's record" if placed else "record of the model's class not placed ("
+    assert said in caplog.text, caplog.text  # either way, one line says so
     if placed:
         assert (vllm_records / RECORD_NAME).read_bytes() == RECORD
 
