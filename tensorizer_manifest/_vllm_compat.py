@@ -96,7 +96,7 @@ NAMES: tuple[VllmName, ...] = (
     VllmName("vllm.envs", "VLLM_CACHE_ROOT"),
     VllmName("vllm.envs", "_is_envs_cache_enabled", private=True),
     # vLLM's records of the model classes it inspected (a fresh interpreter each, unless recorded).
-    VllmName("vllm.model_executor.models.registry", "_LazyRegisteredModel._get_cache_dir", ((),), private=True,
+    VllmName("vllm.model_executor.models.registry", "_LazyRegisteredModel._get_cache_dir", private=True,
              optional=True),  # fmt: skip
     # vLLM's compiled modules and their AOT artifacts (compile forms made of them).
     VllmName("vllm.compilation.wrapper", "TorchCompileWithNoGuardsWrapper"),
