@@ -94,6 +94,7 @@ NAMES: tuple[VllmName, ...] = (
     VllmName("vllm", "envs"),
     VllmName("vllm.envs", "VLLM_USE_AOT_COMPILE"),
     VllmName("vllm.envs", "VLLM_CACHE_ROOT"),
+    VllmName("vllm.envs", "VLLM_ENABLE_V1_MULTIPROCESSING"),
     VllmName("vllm.envs", "_is_envs_cache_enabled", private=True),
     # vLLM's records of the model classes it inspected (a fresh interpreter each, unless recorded).
     VllmName("vllm.model_executor.models.registry", "_LazyRegisteredModel._get_cache_dir", private=True,
@@ -609,6 +610,39 @@ ENGINE_START_FAILED = "Engine core initialization failed"
 def is_engine_start_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is vLLM's "the engine did not start" (``ENGINE_START_FAILED``), for a reason of its own."""
     return isinstance(exc, RuntimeError) and str(exc).startswith(ENGINE_START_FAILED)
+
+
+def start_engine(**options: Any) -> Any:
+    """``LLM(**options)``, failing alike wherever vLLM runs its engine core.
+
+    In a process of its own (vLLM's default), the core logs why it did not start and this process raises
+    ``ENGINE_START_FAILED``. In this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what the CLI sets) vLLM's reason
+    comes up as it is, a ``ValueError`` through its workers' frames: it is logged here with its traceback, as the
+    core's process logs it, and ``ENGINE_START_FAILED`` raised, chained to it. A ``TensorizerManifestError`` raised
+    in this process goes through; one that a worker's process recorded (``_error_relay``) is raised in its place.
+    """
+    import time
+
+    from vllm import LLM, envs
+
+    from ._error_relay import relayed_error
+    from .errors import TensorizerManifestError
+
+    since = time.time_ns()
+    try:
+        return LLM(**options)
+    except TensorizerManifestError:
+        raise
+    except Exception as exc:
+        relayed = relayed_error(since)
+        if relayed is not None:
+            raise relayed from exc
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING or is_engine_start_failure(exc):
+            raise
+        logging.getLogger("vllm.tensorizer_manifest").error(
+            "vLLM's engine, started in this process, failed to start", exc_info=exc
+        )
+        raise RuntimeError(f"{ENGINE_START_FAILED} (in this process). See root cause above.") from exc
 
 
 def on_engine_start_failure(translate: Callable[[Exception], Exception | None]) -> bool:

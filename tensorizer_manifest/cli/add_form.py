@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, engine_did_not_start, fail, json_dumps
+from .output import console, engine_did_not_start, engine_in_this_process, fail, json_dumps
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
     PARALLEL_SIZES,
@@ -60,6 +60,7 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
     compiling, under a seal checked with their signing key."""
     if json:  # stdout holds the JSON alone: vLLM's log (of this process and its workers) goes to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    engine_in_this_process()
     from ..save.add_form import add_form
 
     try:

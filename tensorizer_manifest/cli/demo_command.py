@@ -12,7 +12,7 @@ import click
 
 from ..embedded_models.tiny import TINY_KINDS
 from ..errors import TensorizerManifestError
-from .output import console, fail
+from .output import console, engine_in_this_process, fail
 from .parameters import PATH
 
 
@@ -47,9 +47,9 @@ def demo(work_dir: Path, kind: str, max_tokens: int, verbose: bool) -> None:
         for category in (FutureWarning, DeprecationWarning, UserWarning):
             warnings.filterwarnings("ignore", category=category, module="(vllm|torch|transformers)([.]|$)")
     # Its three engines run one after another in this process, as an offline script's do: vLLM's engine-core
-    # process would import vLLM again for each (on 2 cores, 100 s of demo against 30 s). Set it to 1 to see
-    # the demo through vLLM's multiprocess engine, which the tests also load through.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # process would import vLLM again for each (on 2 cores, 100 s of demo against 30 s). Set
+    # VLLM_ENABLE_V1_MULTIPROCESSING=1 to see the demo through vLLM's multiprocess engine.
+    engine_in_this_process()
     from ..progress import interactive
     from .demo import run_demo
 

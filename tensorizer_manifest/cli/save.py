@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import TensorizerManifestError
-from .output import console, engine_did_not_start, fail
+from .output import console, engine_did_not_start, engine_in_this_process, fail
 from .parameters import (
     ENCRYPTION_KEY_NAMES,
     PARALLEL_SIZES,
@@ -75,6 +75,7 @@ def save(
     """Load SRC (anything vLLM accepts as a model; a local directory needs no network) with vLLM, observe
     its post-load step, and write a self-describing checkpoint to OUT (config, tokenizer, *.tensors,
     *.manifest.json). OUT is a directory or s3://bucket/prefix (uploaded tensors first, manifests last)."""
+    engine_in_this_process()
     from ..progress import interactive
     from ..save.from_source import save_checkpoint
 

@@ -70,8 +70,14 @@ def add_compile_form(directory: Path, engine_args: dict[str, Any], signing_key_f
         aot = _vllm_compat.aot_compile_enabled()
         cache_root = os.environ.get(CACHE_ROOT_VARIABLE)
         try:
-            llm = _vllm_compat.LLM(model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION,
-                                   enforce_eager=False, **engine, model_loader_extra_config=loader_config)  # fmt: skip
+            llm = _vllm_compat.start_engine(
+                model=str(directory),
+                load_format=LOAD_FORMAT,
+                worker_extension_cls=WORKER_EXTENSION,
+                enforce_eager=False,
+                **engine,
+                model_loader_extra_config=loader_config,
+            )
             try:
                 _vllm_compat.greedy_token_ids(llm, ["Compile forms are made here."], max_tokens=4)
                 identities = _vllm_compat.collective_rpc(llm, "tensorizer_manifest_compile_identity")

@@ -279,7 +279,7 @@ def _add_form(directory: Path, opts: AddFormOptions, checkpoint_dir: str | None 
             kwargs[name] = wanted
     kwargs.update(opts.engine_args)
 
-    llm = _vllm_compat.LLM(
+    llm = _vllm_compat.start_engine(
         model=str(directory), load_format=LOAD_FORMAT, worker_extension_cls=WORKER_EXTENSION, **kwargs
     )
     try:

@@ -346,7 +346,7 @@ def save_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **options: A
 
     # The capture copies pre-step tensors to a nameless file beside the output, not into memory.
     with _environ(SPILL_DIR_ENV, os.environ.get(SPILL_DIR_ENV) or str(existing_parent(out_dir))):
-        llm = _vllm_compat.LLM(
+        llm = _vllm_compat.start_engine(
             model=str(src_dir),
             load_format=CAPTURE_LOAD_FORMAT,
             worker_extension_cls=WORKER_EXTENSION,

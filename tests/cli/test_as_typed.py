@@ -186,15 +186,17 @@ def test_save_to_s3_typed_on_a_terminal_ends_with_its_summary_and_inspect_finds_
 
 
 @pytest.mark.e2e
-def test_a_save_whose_engine_vllm_cannot_start_ends_in_one_line_and_writes_nothing(checkpoints):
+@pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["core-in-this-process", "core-in-its-own-process"])
+def test_a_save_whose_engine_vllm_cannot_start_ends_in_one_line_and_writes_nothing(checkpoints, multiprocessing):
     """vLLM refuses to start the saving engine for a reason of its own (here a KV cache larger than the machine):
-    its reason is in its log, and the command ends with one line saying so, exit 1, not a traceback of ours."""
+    its reason is in its log, and the command ends with one line saying so, exit 1, not a traceback of ours;
+    with vLLM's engine core in the command's process (the CLI's default) as in a process of its own."""
     from tensorizer_manifest.embedded_models.tiny import build_tiny_model
 
     model = build_tiny_model(checkpoints["work"] / "tiny-llama", "llama")
-    out = checkpoints["work"] / "never-saved"
+    out = checkpoints["work"] / f"never-saved-{multiprocessing}"
     said = typed("save", str(model), str(out), "--engine-arg", f"kv_cache_memory_bytes={1 << 50}",
-                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, timeout=300)  # fmt: skip
+                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}, timeout=300)  # fmt: skip
     assert said.returncode == 1, said.output[-3000:]
     assert "tensorizer_manifest/cli/" not in said.output, said.output[-3000:]  # no traceback through the command
     line = said.flat.find("error: vLLM's engine did not start, for a reason of its own")

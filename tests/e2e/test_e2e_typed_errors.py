@@ -22,13 +22,15 @@ def test_llm_raises_the_loaders_typed_error_from_the_engines_process(scenarios, 
 
 
 def test_a_save_refused_in_the_engines_worker_is_one_typed_line_and_exit_2_on_a_terminal(scenarios, tmp_path):
-    """The capture loader refuses in the worker's process (vLLM's multiprocessing executor: a process under the
-    engine core's, at TP=1 too): the CLI's last word is the ConfigurationError's, after vLLM's own report of its
-    worker, and nothing is written."""
+    """The capture loader refuses in the worker's process (vLLM's engine core in a process of its own, as the CLI
+    runs it where VLLM_ENABLE_V1_MULTIPROCESSING=1, and its multiprocessing executor: a process under the core's,
+    at TP=1 too): the CLI's last word is the ConfigurationError's, after vLLM's own report of its worker, and
+    nothing is written."""
     out = tmp_path / "out"
     shown = typed(
-        "save", scenarios.e2e("llama")["model_dir"], str(out), "--engine-arg", 'hf_overrides={"tm_marker": 1}'
-    )
+        "save", scenarios.e2e("llama")["model_dir"], str(out), "--engine-arg", 'hf_overrides={"tm_marker": 1}',
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )  # fmt: skip
     assert shown.returncode == 2, shown.output[-4000:]
     lines = [line for line in shown.output.splitlines() if line.strip()]
     said = max(i for i, line in enumerate(lines) if line.startswith("error: "))
