@@ -69,7 +69,9 @@ def load(workdir: Path, version: str, other: Path) -> dict:
 
 def main() -> dict:
     import vllm
+    from helpers.preloaded import freeze_the_imported_heap
 
+    freeze_the_imported_heap()  # another release's Python runs this as a fresh process: vLLM's collections skip it
     workdir = Path(sys.argv[1])
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # each engine's core in this process
