@@ -607,23 +607,36 @@ def before_engine_config(hook: Callable[[Any], None]) -> None:
 ENGINE_START_FAILED = "Engine core initialization failed"
 
 
+#: The note ``start_engine`` adds to vLLM's own error where vLLM started its engine core in this process.
+ENGINE_START_NOTE = "(tensorizer-manifest: raised while vLLM started its engine in this process)"
+
+
 def is_engine_start_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is vLLM's "the engine did not start" (``ENGINE_START_FAILED``), for a reason of its own."""
-    return isinstance(exc, RuntimeError) and str(exc).startswith(ENGINE_START_FAILED)
+    """Whether ``exc`` is vLLM's "the engine did not start", for a reason of its own: ``ENGINE_START_FAILED`` from
+    an engine core in a process of its own, or vLLM's own error from one in this process (``start_engine``)."""
+    if isinstance(exc, RuntimeError) and str(exc).startswith(ENGINE_START_FAILED):
+        return True
+    return failed_to_start_here(exc)
+
+
+def failed_to_start_here(exc: BaseException) -> bool:
+    """Whether ``exc`` is vLLM's own error from an engine core that ``start_engine`` started in this process."""
+    return ENGINE_START_NOTE in getattr(exc, "__notes__", ())
 
 
 def start_engine(**options: Any) -> Any:
-    """``LLM(**options)``, failing alike wherever vLLM runs its engine core.
+    """``LLM(**options)``, whose failure to start a caller can tell apart wherever vLLM runs its engine core.
 
     In a process of its own (vLLM's default), the core logs why it did not start and this process raises
-    ``ENGINE_START_FAILED``. In this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what the CLI sets) vLLM's reason
-    comes up as it is, a ``ValueError`` through its workers' frames: it is logged here with its traceback, as the
-    core's process logs it, and ``ENGINE_START_FAILED`` raised, chained to it. A ``TensorizerManifestError`` raised
-    in this process goes through; one that a worker's process recorded (``_error_relay``) is raised in its place.
+    ``ENGINE_START_FAILED``. In this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what the CLI sets) vLLM's own error
+    comes up as it is (a ``ValueError`` for memory, a ``ValidationError`` for a config it refuses): it stays so,
+    given ``ENGINE_START_NOTE``, for ``is_engine_start_failure``. A ``TensorizerManifestError`` goes through; one
+    that a worker's process recorded (``_error_relay``) is raised in place of vLLM's error, chained to it.
     """
+    import contextlib
     import time
 
-    from vllm import LLM, envs
+    from vllm import LLM
 
     from ._error_relay import relayed_error
     from .errors import TensorizerManifestError
@@ -637,12 +650,10 @@ def start_engine(**options: Any) -> Any:
         relayed = relayed_error(since)
         if relayed is not None:
             raise relayed from exc
-        if envs.VLLM_ENABLE_V1_MULTIPROCESSING or is_engine_start_failure(exc):
-            raise
-        logging.getLogger("vllm.tensorizer_manifest").error(
-            "vLLM's engine, started in this process, failed to start", exc_info=exc
-        )
-        raise RuntimeError(f"{ENGINE_START_FAILED} (in this process). See root cause above.") from exc
+        if not is_engine_start_failure(exc):
+            with contextlib.suppress(AttributeError, TypeError):  # ``add_note``'s effect (Python 3.11), on 3.10 too
+                setattr(exc, "__notes__", [*getattr(exc, "__notes__", ()), ENGINE_START_NOTE])  # noqa: B010
+        raise
 
 
 def on_engine_start_failure(translate: Callable[[Exception], Exception | None]) -> bool:

@@ -671,3 +671,32 @@ def test_the_modules_whose_own_hook_vllm_runs(monkeypatch, finalizes):
     # A load through the base, where every layer got vLLM's own step, runs them as vLLM does.
     assert _vllm_compat.run_own_post_load_hooks(model) == _vllm_compat.own_post_load_hooks(model)
     assert ran == (["Hooked", "the model"] if finalizes else ["the model"])
+
+
+def test_start_engine_leaves_vllms_own_reason_as_it_is_and_lets_the_cli_tell_it_apart(monkeypatch):
+    """With vLLM's engine core in this process its reason comes up here: the same error (the families' refusals
+    say so on real vLLM), marked so that the CLI says it in one line; ours and vLLM's multiprocess one unmarked."""
+    import vllm
+
+    from tensorizer_manifest.errors import ConfigurationError
+
+    raised: list[BaseException] = []
+
+    def refusing(**_options):
+        raise raised[-1]
+
+    monkeypatch.setattr(vllm, "LLM", refusing)
+    raised.append(ValueError("less than requested memory"))
+    with pytest.raises(ValueError, match="less than requested memory") as info:
+        _vllm_compat.start_engine(model="m")
+    assert info.value is raised[-1] and _vllm_compat.failed_to_start_here(info.value)
+    assert _vllm_compat.is_engine_start_failure(info.value)
+    raised.append(RuntimeError(f"{_vllm_compat.ENGINE_START_FAILED}. See root cause above."))
+    with pytest.raises(RuntimeError) as info:
+        _vllm_compat.start_engine(model="m")
+    assert _vllm_compat.is_engine_start_failure(info.value) and not _vllm_compat.failed_to_start_here(info.value)
+    raised.append(ConfigurationError("a setting of ours"))
+    with pytest.raises(ConfigurationError) as info:
+        _vllm_compat.start_engine(model="m")
+    assert not _vllm_compat.is_engine_start_failure(info.value)
+    assert not _vllm_compat.is_engine_start_failure(KeyError("a bug of ours, later"))

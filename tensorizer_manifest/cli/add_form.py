@@ -67,7 +67,7 @@ def add_form_command(checkpoint: str, engine_arg: tuple[str, ...], json: bool, *
         result = add_form(checkpoint, **options, engine_args=parse_engine_args(engine_arg))
     except TensorizerManifestError as exc:
         fail(exc)
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - vLLM's own reason why its engine did not start, else raised again
         engine_did_not_start(exc)
     if json:
         console().print_json(json_dumps({"checkpoint": str(result.checkpoint), "ranks": result.ranks}))

@@ -48,13 +48,16 @@ def engine_in_this_process() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def engine_did_not_start(exc: RuntimeError) -> NoReturn:
+def engine_did_not_start(exc: Exception) -> NoReturn:
     """vLLM's engine did not start for a reason of its own (memory, a setting): one red line that says where that
-    reason is, exit 1. Any other error goes on as it was."""
+    reason is, exit 1. Its engine core in this process raised that reason here: it is said on the line above,
+    as the core's own process would have logged it. Any other error goes on as it was."""
     from .. import _vllm_compat
 
     if not _vllm_compat.is_engine_start_failure(exc):
         raise exc
+    if _vllm_compat.failed_to_start_here(exc):
+        err_console().print(f"vLLM: {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True, markup=False)
     err_console().print(
         "[red]error:[/red] vLLM's engine did not start, for a reason of its own: it is in vLLM's log above (the "
         "engine core's or a worker's ERROR lines; on a CPU, often memory: --engine-arg kv_cache_memory_bytes=N "

@@ -88,7 +88,7 @@ def save(
         result = save_checkpoint(src, out, **options, engine_args=engine_args, progress=interactive())
     except TensorizerManifestError as exc:
         fail(exc)
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - vLLM's own reason why its engine did not start, else raised again
         engine_did_not_start(exc)
     for rank in result.ranks:
         console().print(
