@@ -34,7 +34,8 @@ _REPLICA = """
 import json, os, sys
 rank, model, port, loader = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE="2",
-                  VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=port, VLLM_CPU_OMP_THREADS_BIND="0|1")
+                  VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=port, VLLM_CPU_OMP_THREADS_BIND="0|1",
+                  VLLM_ENABLE_V1_MULTIPROCESSING="0")  # each replica's engine core in it: one import of vLLM
 if __name__ == "__main__":
     from vllm import LLM
     from tensorizer_manifest.cli.demo import engine_options
