@@ -180,7 +180,12 @@ def tensor_parallel_race(workdir: str) -> dict:
 
     gate = Path(workdir, "gate-after-agreement")
     gate.mkdir(exist_ok=True)
-    env = {**os.environ, "TENSORIZER_MANIFEST_PAUSE_AT": f"after-agreement:{gate}"}
+    # Its engine core in it (one import of vLLM; its two workers are processes of their own either way).
+    env = {
+        **os.environ,
+        "TENSORIZER_MANIFEST_PAUSE_AT": f"after-agreement:{gate}",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     raced = subprocess.Popen(
         [sys.executable, "-c", _RACED_LOADER, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
