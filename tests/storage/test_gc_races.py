@@ -123,7 +123,10 @@ def test_a_parent_stays_its_grace_after_a_commit_that_waited_longer_than_the_gra
     code, output = writer_process.release(gate, "before-commit", writer)
     assert code == 0 and f"committed {pending}" in output, output
     store = LocalCheckpoint(root)
-    store.gc(store.plan_gc(grace_s=4))  # the first generation was current a moment ago
+    swapped = (root / g.POINTER_NAME).stat().st_mtime  # by the storage's clock, as gc measures
+    # A second after the swap, however long this loaded machine took since: the first generation was current a
+    # moment ago (and its child's document was written 7 s before, past the grace).
+    store.gc(store.plan_gc(grace_s=4, now=swapped + 1))
     assert load_manifest(root, generation=store.read_generation(first.id)) == (manifest, path)
     assert all((root / p).is_file() for p in first.named_paths())
     _loads_as(root, pending)
