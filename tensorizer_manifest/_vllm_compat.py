@@ -634,26 +634,22 @@ def start_engine(**options: Any) -> Any:
     that a worker's process recorded (``_error_relay``) is raised in place of vLLM's error, chained to it.
     """
     import contextlib
-    import time
 
     from vllm import LLM
 
-    from ._error_relay import relayed_error
+    from ._error_relay import errors_typed
     from .errors import TensorizerManifestError
 
-    since = time.time_ns()
-    try:
-        return LLM(**options)
-    except TensorizerManifestError:
-        raise
-    except Exception as exc:
-        relayed = relayed_error(since)
-        if relayed is not None:
-            raise relayed from exc
-        if not is_engine_start_failure(exc):
-            with contextlib.suppress(AttributeError, TypeError):  # ``add_note``'s effect (Python 3.11), on 3.10 too
-                setattr(exc, "__notes__", [*getattr(exc, "__notes__", ()), ENGINE_START_NOTE])  # noqa: B010
-        raise
+    with errors_typed():
+        try:
+            return LLM(**options)
+        except TensorizerManifestError:
+            raise
+        except Exception as exc:
+            if not is_engine_start_failure(exc):
+                with contextlib.suppress(AttributeError, TypeError):  # ``add_note``'s effect (3.11), on 3.10 too
+                    setattr(exc, "__notes__", [*getattr(exc, "__notes__", ()), ENGINE_START_NOTE])  # noqa: B010
+            raise
 
 
 def on_engine_start_failure(translate: Callable[[Exception], Exception | None]) -> bool:

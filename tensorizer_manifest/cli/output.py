@@ -44,7 +44,8 @@ def engine_in_this_process() -> None:
     """Run the command's vLLM engine core in this process, unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise:
     in a process of its own it imports torch and vLLM again, about as long as the rest of a small model's save (a
     tiny Llama's ``save`` on 2 cores: 14 s against 33 s). The command starts one engine and exits; workers at
-    TP>1 are processes of their own either way, and a failure reads the same (``_vllm_compat.start_engine``)."""
+    TP>1 are processes of their own either way; vLLM's reason for not starting one is said here instead of in the
+    core's log (``_vllm_compat.start_engine``, ``engine_did_not_start``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
